@@ -1,0 +1,112 @@
+"""Plain data describing what a training step costs, block by block.
+
+`BlockCost` is one block of the chain at one batch size; `StepCost` is the whole
+step (blocks plus what lives outside them: embedding, head, loss, parameters,
+gradients and optimizer state). The profiler produces these, the memory model and
+the planners consume them. No torch, no Lightning: numbers only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """One block of the chain at one batch size.
+
+    saved_bytes: unique storages the block's ops save for backward (parameters
+        excluded), including its input when an op saves it.
+    input_bytes: the block's input (the boundary kept when a segment starts here).
+    input_saved_bytes: the part of `input_bytes` that is also in `saved_bytes`
+        (the block's own ops save their input, e.g. a pre-norm LayerNorm).
+    output_bytes: the block's output; in backward the gradient of it is this large.
+    fwd_transient_bytes: peak extra bytes live during the block's forward beyond
+        what it saves and returns (scratch space).
+    bwd_transient_bytes: peak extra bytes during the block's backward beyond what
+        was live when it started (gradient scratch, its parameter gradients).
+    grad_bytes: bytes of the gradients of the block's trainable parameters.
+    fwd_flops: forward FLOPs (what one recompute costs).
+    fwd_ms: measured forward wall time, milliseconds.
+    chains_from_previous: the block's first input is the previous block's output
+        (needed to run several blocks inside one checkpointed segment).
+    """
+
+    name: str
+    saved_bytes: int
+    input_bytes: int
+    input_saved_bytes: int = 0
+    output_bytes: int = 0
+    fwd_transient_bytes: int = 0
+    bwd_transient_bytes: int = 0
+    grad_bytes: int = 0
+    fwd_flops: int = 0
+    fwd_ms: float = 0.0
+    chains_from_previous: bool = True
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith(("_bytes", "_flops", "_ms")) and value < 0:
+                raise ValueError(
+                    f"BlockCost {self.name!r}: {f.name}={value} is negative; costs are sizes and times, "
+                    "so they must be >= 0. Check the profile that produced it."
+                )
+        if self.input_saved_bytes > self.input_bytes:
+            raise ValueError(
+                f"BlockCost {self.name!r}: input_saved_bytes={self.input_saved_bytes} exceeds "
+                f"input_bytes={self.input_bytes}; a block cannot save more of its input than it receives."
+            )
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """The whole training step at one batch size.
+
+    static_bytes: parameters, buffers and optimizer state, resident all step.
+    outside_grad_bytes: gradients of trainable parameters outside the blocks.
+    pre_saved_bytes: activations saved before the first block (embedding, ...).
+    post_saved_bytes: activations saved after the last block (pooling, head, loss),
+        plus the transient peak there.
+    grads_live_in_forward: parameter gradients of the previous step are still
+        allocated during the forward (Lightning zeroes them after the forward).
+    optimizer_transient_bytes: scratch space of the optimizer step.
+    """
+
+    blocks: tuple[BlockCost, ...]
+    batch_size: int
+    static_bytes: int = 0
+    outside_grad_bytes: int = 0
+    pre_saved_bytes: int = 0
+    post_saved_bytes: int = 0
+    grads_live_in_forward: bool = True
+    optimizer_transient_bytes: int = 0
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def grad_bytes(self) -> int:
+        return self.outside_grad_bytes + sum(b.grad_bytes for b in self.blocks)
+
+    def to_dict(self) -> dict:
+        return {
+            "batch_size": self.batch_size,
+            "static_bytes": self.static_bytes,
+            "outside_grad_bytes": self.outside_grad_bytes,
+            "pre_saved_bytes": self.pre_saved_bytes,
+            "post_saved_bytes": self.post_saved_bytes,
+            "grads_live_in_forward": self.grads_live_in_forward,
+            "optimizer_transient_bytes": self.optimizer_transient_bytes,
+            "blocks": [dataclasses.asdict(b) for b in self.blocks],
+            "meta": dict(self.meta),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "StepCost":
+        data = dict(data)
+        blocks = tuple(BlockCost(**b) for b in data.pop("blocks"))
+        return cls(blocks=blocks, **data)

@@ -1,0 +1,131 @@
+"""Predicted peak memory of one training step under a checkpointing plan.
+
+A plan is a list of segments `(first, last)` of consecutive checkpointed blocks;
+every other block is kept. The step is walked phase by phase (forward, backward
+block by block from the last, optimizer step) and the peak is the largest total.
+The `k + n/k` rule of the square-root argument is the uniform special case.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_ckpt.costs import StepCost
+
+Segments = Sequence[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class PeakBreakdown:
+    peak_bytes: int
+    phase: str  # where the peak happens: "forward", "backward:<block>", "optimizer"
+    forward_bytes: int
+    backward_bytes: int
+    optimizer_bytes: int
+
+
+def validate_segments(n_blocks: int, segments: Segments) -> list[tuple[int, int]]:
+    """Sorted, disjoint, in-range segments or a ValueError saying which is wrong."""
+    out = sorted((int(a), int(b)) for a, b in segments)
+    prev_last = -1
+    for a, b in out:
+        if not (0 <= a <= b < n_blocks):
+            raise ValueError(
+                f"segment ({a}, {b}) is outside the chain of {n_blocks} blocks; a segment is "
+                f"(first, last) with 0 <= first <= last <= {n_blocks - 1}."
+            )
+        if a <= prev_last:
+            raise ValueError(f"segment ({a}, {b}) overlaps the previous segment ending at {prev_last}; segments must be disjoint.")
+        prev_last = b
+    return out
+
+
+def segment_of(n_blocks: int, segments: Segments) -> list[int]:
+    """For each block, the index of its segment, or -1 when the block is kept."""
+    owner = [-1] * n_blocks
+    for j, (a, b) in enumerate(segments):
+        for i in range(a, b + 1):
+            owner[i] = j
+    return owner
+
+
+def resident_bytes(cost: StepCost, segments: Segments) -> list[int]:
+    """What each block leaves resident at the end of the forward.
+
+    [constraint] a kept block holds what it saved; a segment holds only the input of
+    its first block (the boundary tensor the recompute restarts from).
+    """
+    res = [b.saved_bytes for b in cost.blocks]
+    for a, b in segments:
+        for i in range(a, b + 1):
+            res[i] = 0
+        res[a] = cost.blocks[a].input_bytes
+    return res
+
+
+def predict_peak(cost: StepCost, segments: Segments) -> PeakBreakdown:
+    """Peak bytes of a whole training step under `segments` (already validated)."""
+    blocks = cost.blocks
+    n = len(blocks)
+    res = resident_bytes(cost, segments)
+    prefix = [0] * (n + 1)
+    for i in range(n):
+        prefix[i + 1] = prefix[i] + res[i]
+    static = cost.static_bytes + cost.pre_saved_bytes
+    grads_all = cost.grad_bytes
+
+    # [forward] every block's resident bytes plus the head, with last step's grads
+    # still allocated; during block i its own scratch is live as well.
+    fwd_grads = grads_all if cost.grads_live_in_forward else 0
+    fwd = prefix[n] + cost.post_saved_bytes
+    for i, blk in enumerate(blocks):
+        fwd = max(fwd, prefix[i] + blk.saved_bytes + blk.output_bytes + blk.fwd_transient_bytes)
+    fwd += static + fwd_grads
+    # The head's backward runs before any block gradient exists.
+    fwd = max(fwd, static + cost.outside_grad_bytes + prefix[n] + cost.post_saved_bytes)
+
+    # [backward] walk blocks from last to first; gradients of later blocks exist.
+    owner = segment_of(n, segments)
+    grads_after = cost.outside_grad_bytes
+    bwd, bwd_at = 0, -1
+    i = n - 1
+    while i >= 0:
+        j = owner[i]
+        if j < 0:
+            blk = blocks[i]
+            live = prefix[i] + blk.saved_bytes + blk.output_bytes + blk.bwd_transient_bytes
+            if live + grads_after > bwd:
+                bwd, bwd_at = live + grads_after, i
+            grads_after += blk.grad_bytes
+            i -= 1
+            continue
+        a, b = segments[j]
+        # [recurrence] the segment's interior is rebuilt at once on top of what the
+        # blocks before it hold; the boundary input is not counted twice.
+        rebuilt = sum(blocks[k].saved_bytes for k in range(a, b + 1)) - blocks[a].input_saved_bytes
+        base = prefix[a] + blocks[a].input_bytes
+        scratch = max(blocks[k].fwd_transient_bytes for k in range(a, b + 1))
+        for k in range(b, a - 1, -1):
+            blk = blocks[k]
+            extra = max(blk.bwd_transient_bytes, scratch) if k == b else blk.bwd_transient_bytes
+            live = base + rebuilt + blk.output_bytes + extra
+            if live + grads_after > bwd:
+                bwd, bwd_at = live + grads_after, k
+            rebuilt -= blk.saved_bytes - (blk.input_saved_bytes if k == a else 0)
+            grads_after += blk.grad_bytes
+        i = a - 1
+    bwd += static
+
+    # [optimizer] all gradients plus the optimizer's scratch.
+    opt = cost.static_bytes + grads_all + cost.optimizer_transient_bytes
+
+    peak = max(fwd, bwd, opt)
+    phase = "forward" if peak == fwd else ("optimizer" if peak == opt else f"backward:{blocks[bwd_at].name}")
+    return PeakBreakdown(int(peak), phase, int(fwd), int(bwd), int(opt))
+
+
+def recompute_cost(cost: StepCost, segments: Segments, metric: str = "flops") -> float:
+    """Forward cost of every checkpointed block: each is rebuilt exactly once."""
+    attr = "fwd_flops" if metric == "flops" else "fwd_ms"
+    return sum(getattr(cost.blocks[i], attr) for a, b in segments for i in range(a, b + 1))

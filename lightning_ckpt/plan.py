@@ -1,0 +1,131 @@
+"""`Plan`: which blocks are checkpointed, how they are grouped, and what that costs.
+
+A plan is plain data: the segments, the predicted peak against the budget, the
+recompute it buys that with, and a per-block table for people (`str(plan)`) and
+for loggers and checkpoints (`to_dict()` / `from_dict()`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size: 1536 -> '1.5 KiB'."""
+    sign = "-" if n < 0 else ""
+    n = abs(float(n))
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_flops(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f}"
+
+
+@dataclass(frozen=True)
+class BlockRow:
+    """One row of the plan table."""
+
+    index: int
+    name: str
+    checkpointed: bool
+    segment: int  # -1 when kept
+    saved_bytes: int
+    input_bytes: int
+    fwd_flops: int
+    fwd_ms: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    policy: str
+    batch_size: int
+    segments: tuple[tuple[int, int], ...]
+    predicted_peak_bytes: int
+    peak_phase: str
+    budget_bytes: int | None
+    static_bytes: int
+    recompute_flops: int
+    recompute_ms: float
+    step_flops: int  # forward + backward of the whole step, estimated as 3x the forward
+    rows: tuple[BlockRow, ...]
+
+    @property
+    def checkpointed(self) -> tuple[int, ...]:
+        return tuple(i for a, b in self.segments for i in range(a, b + 1))
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.rows)
+
+    @property
+    def fits(self) -> bool:
+        return self.budget_bytes is None or self.predicted_peak_bytes <= self.budget_bytes
+
+    @property
+    def recompute_share(self) -> float:
+        """Recomputed FLOPs as a fraction of the step's FLOPs without checkpointing."""
+        return self.recompute_flops / self.step_flops if self.step_flops else 0.0
+
+    def __str__(self) -> str:
+        head = f"{'block':>5}  {'name':<28} {'decision':<12} {'seg':>4} {'saved':>10} {'boundary':>10} {'recompute':>11}"
+        lines = [
+            f"lightning-ckpt plan: policy={self.policy}, batch_size={self.batch_size}, "
+            f"{len(self.checkpointed)}/{self.n_blocks} blocks checkpointed in {len(self.segments)} segment(s)",
+            head,
+            "-" * len(head),
+        ]
+        for r in self.rows:
+            decision = "checkpoint" if r.checkpointed else "keep"
+            seg = str(r.segment) if r.segment >= 0 else "-"
+            recompute = format_flops(r.fwd_flops) if r.checkpointed else "0"
+            name = r.name if len(r.name) <= 28 else "..." + r.name[-25:]
+            lines.append(
+                f"{r.index:>5}  {name:<28} {decision:<12} {seg:>4} {format_bytes(r.saved_bytes):>10} "
+                f"{format_bytes(r.input_bytes):>10} {recompute:>11}"
+            )
+        lines.append("-" * len(head))
+        budget = format_bytes(self.budget_bytes) if self.budget_bytes is not None else "none"
+        verdict = "fits" if self.fits else "DOES NOT FIT"
+        lines.append(
+            f"predicted peak {format_bytes(self.predicted_peak_bytes)} (at {self.peak_phase}) vs budget {budget}: {verdict}; "
+            f"static {format_bytes(self.static_bytes)}"
+        )
+        lines.append(
+            f"recompute {format_flops(self.recompute_flops)}FLOP = {100 * self.recompute_share:.1f}% of the step "
+            f"({self.recompute_ms:.1f} ms measured forward time)"
+        )
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {
+            "policy": self.policy,
+            "batch_size": self.batch_size,
+            "segments": [list(s) for s in self.segments],
+            "checkpointed": list(self.checkpointed),
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "peak_phase": self.peak_phase,
+            "budget_bytes": self.budget_bytes,
+            "static_bytes": self.static_bytes,
+            "recompute_flops": self.recompute_flops,
+            "recompute_ms": self.recompute_ms,
+            "recompute_share": self.recompute_share,
+            "step_flops": self.step_flops,
+            "fits": self.fits,
+            "rows": [dataclasses.asdict(r) for r in self.rows],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Plan":
+        keys = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in data.items() if k in keys}
+        kw["segments"] = tuple((int(a), int(b)) for a, b in data["segments"])
+        kw["rows"] = tuple(BlockRow(**r) for r in data["rows"])
+        return cls(**kw)

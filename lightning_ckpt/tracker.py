@@ -1,0 +1,128 @@
+"""Deterministic measurement of live tensor bytes.
+
+`LiveBytesTracker` is a `TorchDispatchMode` that sees every tensor an op creates,
+counts each storage once while it is alive (a weak-reference finalizer drops it
+when freed) and keeps a running peak. It is exact and repeatable on CPU, unlike
+RSS. `measure_peak` wraps one callable; on CUDA `cuda_peak` reads the allocator.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["LiveBytesTracker", "measure_peak", "storage_bytes", "unique_storage_bytes"]
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
+    try:
+        st = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # meta, sparse, functional wrappers
+        return None
+    if st.device.type == "meta" or st.nbytes() == 0:
+        return None
+    return (str(st.device), st.data_ptr())
+
+
+def storage_bytes(t: torch.Tensor) -> int:
+    """Bytes of the storage behind `t` (a view counts its whole base)."""
+    try:
+        return int(t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+def unique_storage_bytes(tensors: Iterable[Any]) -> int:
+    """Bytes of the distinct storages among `tensors` (non-tensors are skipped)."""
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        key = _storage_key(t)
+        if key is None or key in seen:
+            continue
+        seen.add(key)
+        total += storage_bytes(t)
+    return total
+
+
+class LiveBytesTracker(TorchDispatchMode):
+    """Counts bytes of storages created by ops while the mode is active.
+
+    `live_bytes` is what is alive now, `peak_bytes` the most seen since the last
+    `reset_peak()`. Storages that existed before the mode (parameters, the batch)
+    are not counted: add a baseline yourself (`unique_storage_bytes`) when you
+    want the whole picture. `device` limits counting to one device type.
+    """
+
+    def __init__(self, device: str | None = None) -> None:
+        super().__init__()
+        self.device = device
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._live: dict[tuple[str, int], int] = {}
+        self._finalizers: list[weakref.finalize] = []
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+
+    def _free(self, key: tuple[str, int]) -> None:
+        nbytes = self._live.pop(key, None)
+        if nbytes is not None:
+            self.live_bytes -= nbytes
+
+    def _track(self, t: torch.Tensor) -> None:
+        if self.device is not None and t.device.type != self.device:
+            return
+        key = _storage_key(t)
+        if key is None or key in self._live:
+            return
+        st = t.untyped_storage()
+        nbytes = int(st.nbytes())
+        self._live[key] = nbytes
+        self.live_bytes += nbytes
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+        self._finalizers.append(weakref.finalize(st, self._free, key))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat_in, _ = tree_flatten((args, kwargs))
+        # Views and in-place results share an input's storage: that storage was either
+        # counted when it was made or existed before the mode (a parameter): skip it.
+        inputs = {_storage_key(t) for t in flat_in if isinstance(t, torch.Tensor)}
+        flat, _ = tree_flatten(out)
+        for t in flat:
+            if isinstance(t, torch.Tensor) and _storage_key(t) not in inputs:
+                self._track(t)
+        return out
+
+    def __exit__(self, *exc) -> Any:
+        result = super().__exit__(*exc)
+        # Storages that outlive the mode keep counting only until the mode is gone.
+        for fin in self._finalizers:
+            fin.detach()
+        self._finalizers.clear()
+        return result
+
+
+def measure_peak(fn: Callable[[], Any], baseline_bytes: int = 0) -> int:
+    """Peak live bytes while running `fn()` (plus a constant baseline)."""
+    with LiveBytesTracker() as tracker:
+        fn()
+    return baseline_bytes + tracker.peak_bytes
+
+
+def cuda_peak(fn: Callable[[], Any], device: torch.device | None = None) -> int:
+    """Peak allocated CUDA bytes while running `fn()` (the allocator's own counter)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.max_memory_allocated(device))
