@@ -28,6 +28,8 @@ class BlockCost:
         was live when it started (gradient scratch, its parameter gradients).
     grad_bytes: bytes of the gradients of the block's trainable parameters.
     fwd_flops: forward FLOPs (what one recompute costs).
+    tail_flops: FLOPs of the ops after the block's last saved tensor. When the block
+        ends a segment, torch's early stop skips them in the recompute.
     fwd_ms: measured forward wall time, milliseconds.
     chains_from_previous: the block's first input is the previous block's output
         (needed to run several blocks inside one checkpointed segment).
@@ -42,6 +44,7 @@ class BlockCost:
     bwd_transient_bytes: int = 0
     grad_bytes: int = 0
     fwd_flops: int = 0
+    tail_flops: int = 0
     fwd_ms: float = 0.0
     chains_from_previous: bool = True
 

@@ -125,7 +125,22 @@ def predict_peak(cost: StepCost, segments: Segments) -> PeakBreakdown:
     return PeakBreakdown(int(peak), phase, int(fwd), int(bwd), int(opt))
 
 
+def segment_cost(cost: StepCost, first: int, last: int, metric: str = "flops") -> float:
+    """What rebuilding one segment costs: the forward of its blocks, each once.
+
+    torch's early stop ends the recompute at the last saved tensor, so the ops after
+    the last block's final save (its `tail_flops`) are not rerun. Times are scaled
+    by the same fraction.
+    """
+    blocks = cost.blocks
+    total = sum(getattr(blocks[i], "fwd_flops" if metric == "flops" else "fwd_ms") for i in range(first, last + 1))
+    tail = blocks[last]
+    if metric == "flops":
+        return total - tail.tail_flops
+    frac = tail.tail_flops / tail.fwd_flops if tail.fwd_flops else 0.0
+    return total - frac * tail.fwd_ms
+
+
 def recompute_cost(cost: StepCost, segments: Segments, metric: str = "flops") -> float:
-    """Forward cost of every checkpointed block: each is rebuilt exactly once."""
-    attr = "fwd_flops" if metric == "flops" else "fwd_ms"
-    return sum(getattr(cost.blocks[i], attr) for a, b in segments for i in range(a, b + 1))
+    """Recompute cost of a plan: every checkpointed block is rebuilt exactly once."""
+    return sum(segment_cost(cost, a, b, metric) for a, b in segments)

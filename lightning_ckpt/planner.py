@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_ckpt.costs import StepCost
-from lightning_ckpt.memory_model import predict_peak, recompute_cost, segment_of, validate_segments
+from lightning_ckpt.memory_model import predict_peak, recompute_cost, segment_cost, segment_of, validate_segments
 from lightning_ckpt.plan import BlockRow, Plan, format_bytes
 
 POLICIES = ("none", "full", "every_k", "sqrt", "greedy", "optimal")
@@ -117,7 +117,7 @@ class _Element:
     cost: float
 
 
-def _elements_from(cost: StepCost, a: int, grads_after: list[int], fwd_grads: int, max_len: int, attr: str):
+def _elements_from(cost: StepCost, a: int, grads_after: list[int], fwd_grads: int, max_len: int, metric: str):
     """Kept block `a`, and every checkpointed segment starting at `a`, with their needs."""
     blocks = cost.blocks
     static = cost.static_bytes + cost.pre_saved_bytes
@@ -130,12 +130,10 @@ def _elements_from(cost: StepCost, a: int, grads_after: list[int], fwd_grads: in
     x_a = blk.input_bytes
     fwd_need = 0
     saved_sum = 0
-    seg_cost = 0.0
     for b in range(a, min(len(blocks), a + max_len)):
         if b > a and not blocks[b].chains_from_previous:
             break
         bb = blocks[b]
-        seg_cost += getattr(bb, attr)
         saved_sum += bb.saved_bytes
         boundary = x_a if b > a else 0
         fwd_need = max(fwd_need, static + fwd_grads + boundary + bb.saved_bytes + bb.output_bytes + bb.fwd_transient_bytes)
@@ -148,7 +146,7 @@ def _elements_from(cost: StepCost, a: int, grads_after: list[int], fwd_grads: in
             extra = max(bk.bwd_transient_bytes, scratch) if k == b else bk.bwd_transient_bytes
             bwd_need = max(bwd_need, static + grads_after[k] + x_a + rebuilt + bk.output_bytes + extra)
             rebuilt -= bk.saved_bytes - (bk.input_saved_bytes if k == a else 0)
-        yield _Element(a, b, True, x_a, max(fwd_need, bwd_need), seg_cost)
+        yield _Element(a, b, True, x_a, max(fwd_need, bwd_need), segment_cost(cost, a, b, metric))
 
 
 def optimal_segments(
@@ -164,7 +162,6 @@ def optimal_segments(
     Pareto frontier is exact. The state also carries the peak P reached so far, and
     dominance is taken over (R, C, P), so ties in C are broken by the true peak.
     """
-    attr = "fwd_flops" if metric == "flops" else "fwd_ms"
     n = cost.n_blocks
     max_len = n if max_segment_blocks is None else max(1, max_segment_blocks)
     grads_after = [0] * n
@@ -186,7 +183,7 @@ def optimal_segments(
         states = frontier[p]
         if not states:
             continue
-        elements = list(_elements_from(cost, p, grads_after, fwd_grads, max_len, attr))
+        elements = list(_elements_from(cost, p, grads_after, fwd_grads, max_len, metric))
         for si, (r, c, pk, _) in enumerate(states):
             for el in elements:
                 need = r + el.need_bytes

@@ -1,0 +1,236 @@
+"""Apply a plan to live modules with non-reentrant `torch.utils.checkpoint`, undoably.
+
+Each segment of consecutive blocks becomes one checkpointed region, opened by a
+forward pre-hook on its first block and closed by a forward hook on its last (the
+pattern of torch's composable `checkpoint`). No module is wrapped or replaced, so
+the module tree and every `state_dict` key stay as they were. RNG and autocast
+state are restored for the recompute by torch; BatchNorm running statistics are
+restored by a recompute-only context so a recompute never updates them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import _checkpoint_without_reentrant_generator
+
+__all__ = ["AppliedPlan", "apply_segments", "BatchNormGuard"]
+
+
+class BatchNormGuard:
+    """Recompute-only context: BatchNorm buffers are put back exactly as they were.
+
+    A recompute reruns the forward in training mode, which would update
+    `running_mean`, `running_var` and `num_batches_tracked` a second time (and, with
+    `momentum=None`, the cumulative average). The guard snapshots them on entry and
+    copies them back on exit, so the rerun computes the same outputs and leaves no trace.
+    """
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        self.norms = [
+            m
+            for blk in modules
+            for m in blk.modules()
+            if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+        ]
+        self._saved: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+
+    def __enter__(self) -> "BatchNormGuard":
+        snap = []
+        for m in self.norms:
+            for buf in (m.running_mean, m.running_var, m.num_batches_tracked):
+                if buf is not None:
+                    snap.append((buf, buf.detach().clone()))
+        self._saved.append(snap)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with torch.no_grad():
+            for buf, copy in self._saved.pop():
+                buf.copy_(copy)
+
+
+def _first_tensor(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    return None
+
+
+class _Segment:
+    """One checkpointed region spanning blocks[first..last] (a picklable callable object)."""
+
+    def __init__(
+        self, blocks: Sequence[nn.Module], first_index: int, guard_batchnorm: bool, determinism_check: str, early_stop: bool
+    ) -> None:
+        self.blocks = list(blocks)
+        self.early_stop = early_stop
+        self.first_index = first_index
+        self.guard_batchnorm = guard_batchnorm
+        self.determinism_check = determinism_check
+        self.enabled = True
+        self._gen = None
+        self._calls: list[tuple[tuple, dict]] = []
+        self._last_out: Any = None
+        self._handles: list[Any] = []
+
+    # -- context for the recompute only
+    def _context_fn(self):
+        guard = BatchNormGuard(self.blocks) if self.guard_batchnorm else None
+        return contextlib.nullcontext(), _RecomputeContext(self, guard)
+
+    # -- the function the recompute reruns: the whole segment from its input, with the
+    # extra arguments each later block received in that same forward (`calls`).
+    def recompute(self, calls: list, *args: Any, **kwargs: Any) -> Any:
+        out = self.blocks[0](*args, **kwargs)
+        for k, blk in enumerate(self.blocks[1:], start=1):
+            rest, kw = calls[k]
+            out = blk(_first_tensor(out), *rest, **kw)
+        return out
+
+    # -- hooks
+    def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self.enabled:
+            return
+        k = self._position(module)
+        if k == 0:
+            if self._gen is not None:
+                self._abandon()
+                raise RuntimeError(
+                    f"checkpointed segment starting at block {self.first_index} was entered again before its last "
+                    f"block (block {self.first_index + len(self.blocks) - 1}) ran; the blocks of a segment must be "
+                    "called in order, once each per forward. Plan with one block per segment for this model."
+                )
+            if not torch.is_grad_enabled():
+                return
+            self._calls = [((), {})] * len(self.blocks)
+            self._last_out = None
+            fn = functools.partial(self.recompute, self._calls)
+            self._gen = _checkpoint_without_reentrant_generator(
+                fn, True, self._context_fn, self.determinism_check, False, self.early_stop, *args, **kwargs
+            )
+            next(self._gen)
+            return
+        if self._gen is None:
+            return
+        if not args or args[0] is not self._last_out:
+            self._abandon()
+            raise RuntimeError(
+                f"block {self.first_index + k} of a checkpointed segment did not receive the previous block's "
+                "output as its first argument, so the segment cannot be rebuilt from its input. Give such "
+                "blocks a segment each (policy='full') or pass the chain's blocks in call order."
+            )
+        self._calls[k] = (tuple(args[1:]), dict(kwargs))
+
+    def post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if not self.enabled or self._gen is None:
+            return
+        k = self._position(module)
+        if k == len(self.blocks) - 1:
+            gen, self._gen = self._gen, None
+            self._last_out = None
+            try:
+                next(gen)
+            except StopIteration:
+                pass
+            else:  # pragma: no cover - torch contract
+                raise AssertionError("checkpoint generator was not exhausted")
+        else:
+            self._last_out = _first_tensor(output)
+
+    def _abandon(self) -> None:
+        gen, self._gen = self._gen, None
+        self._last_out = None
+        if gen is not None:
+            gen.close()
+
+    def _position(self, module: nn.Module) -> int:
+        for k, blk in enumerate(self.blocks):
+            if blk is module:
+                return k
+        raise AssertionError("hook called for a module outside its segment")
+
+    def attach(self) -> None:
+        for k, blk in enumerate(self.blocks):
+            self._handles.append(blk.register_forward_pre_hook(self.pre_hook, with_kwargs=True))
+            self._handles.append(blk.register_forward_hook(self.post_hook, prepend=True, always_call=True))
+
+    def detach(self) -> None:
+        self._abandon()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_gen"] = None
+        state["_last_out"] = None
+        state["_calls"] = []
+        return state
+
+
+class _RecomputeContext:
+    """Entered around each recompute: hooks off (no nested region), BatchNorm guarded."""
+
+    def __init__(self, segment: _Segment, guard: BatchNormGuard | None) -> None:
+        self.segment = segment
+        self.guard = guard
+
+    def __enter__(self) -> None:
+        self.segment.enabled = False
+        if self.guard is not None:
+            self.guard.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            if self.guard is not None:
+                self.guard.__exit__(*exc)
+        finally:
+            self.segment.enabled = True
+
+
+class AppliedPlan:
+    """Handle of an applied plan; `remove()` restores the modules exactly."""
+
+    def __init__(self, segments: list[_Segment], spans: list[tuple[int, int]]) -> None:
+        self._segments = segments
+        self.segments = spans
+
+    def remove(self) -> None:
+        for seg in self._segments:
+            seg.detach()
+        self._segments = []
+        self.segments = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self._segments)
+
+
+def apply_segments(
+    blocks: Sequence[nn.Module],
+    segments: Sequence[tuple[int, int]],
+    guard_batchnorm: bool = True,
+    determinism_check: str = "default",
+    early_stop: bool = True,
+) -> AppliedPlan:
+    """Checkpoint each `(first, last)` segment of `blocks`; returns an undo handle.
+
+    `early_stop` (torch's default) ends each recompute at the last tensor backward
+    needs, skipping the trailing ops of the segment's last block.
+    """
+    from lightning_ckpt.memory_model import validate_segments
+
+    spans = validate_segments(len(blocks), segments)
+    objs = []
+    for a, b in spans:
+        seg = _Segment(blocks[a : b + 1], a, guard_batchnorm, determinism_check, early_stop)
+        seg.attach()
+        objs.append(seg)
+    return AppliedPlan(objs, spans)
