@@ -69,6 +69,16 @@ class LiveBytesTracker(TorchDispatchMode):
         self._live: dict[tuple[str, int], int] = {}
         self._finalizers: list[weakref.finalize] = []
 
+    def adopt(self, tensors: Iterable[Any]) -> None:
+        """Count storages that already exist (parameters, gradients, optimizer state).
+
+        They join `live_bytes` now and leave it when freed, so a step that drops
+        last step's gradients (`zero_grad(set_to_none=True)`) is measured right.
+        """
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
 

@@ -1,0 +1,108 @@
+"""A profile: step costs measured at small batch sizes, extrapolated linearly.
+
+Bytes and FLOPs of a step grow linearly with the batch size, so two probes give a
+line per quantity (`bytes = a + b * batch`) and a third probe checks it. `at(n)`
+returns the `StepCost` predicted for batch size `n`. Plain data, no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from lightning_ckpt.costs import BlockCost, StepCost
+
+_BLOCK_LINEAR = (
+    "saved_bytes",
+    "input_bytes",
+    "input_saved_bytes",
+    "output_bytes",
+    "fwd_transient_bytes",
+    "bwd_transient_bytes",
+    "fwd_flops",
+    "tail_flops",
+    "fwd_ms",
+)
+_STEP_LINEAR = ("pre_saved_bytes", "post_saved_bytes")
+
+
+def _line(x1: float, y1: float, x2: float, y2: float, x: float) -> float:
+    return y1 + (y2 - y1) * (x - x1) / (x2 - x1)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Two probes that define the lines, and an optional third that checks them."""
+
+    probes: tuple[StepCost, StepCost]
+    check: StepCost | None = None
+
+    def __post_init__(self) -> None:
+        a, b = self.probes
+        if a.batch_size == b.batch_size:
+            raise ValueError(
+                f"a profile needs probes at two different batch sizes, got {a.batch_size} twice; "
+                "use e.g. probe_batch_sizes=(1, 2)."
+            )
+        if a.n_blocks != b.n_blocks:
+            raise ValueError(f"probes disagree on the number of blocks ({a.n_blocks} vs {b.n_blocks}).")
+
+    @property
+    def n_blocks(self) -> int:
+        return self.probes[0].n_blocks
+
+    @property
+    def block_names(self) -> tuple[str, ...]:
+        return tuple(b.name for b in self.probes[0].blocks)
+
+    def at(self, batch_size: int, **step_fields) -> StepCost:
+        """The step cost predicted at `batch_size` (static fields passed through)."""
+        p1, p2 = self.probes
+        x1, x2 = p1.batch_size, p2.batch_size
+        blocks = []
+        for b1, b2 in zip(p1.blocks, p2.blocks):
+            kw = dataclasses.asdict(b1)
+            for f in _BLOCK_LINEAR:
+                v = max(0.0, _line(x1, getattr(b1, f), x2, getattr(b2, f), batch_size))
+                kw[f] = v if f == "fwd_ms" else int(round(v))
+            kw["input_saved_bytes"] = min(kw["input_saved_bytes"], kw["input_bytes"])
+            kw["tail_flops"] = min(kw["tail_flops"], kw["fwd_flops"])
+            kw["chains_from_previous"] = b1.chains_from_previous and b2.chains_from_previous
+            blocks.append(BlockCost(**kw))
+        fields = {
+            f: int(round(max(0.0, _line(x1, getattr(p1, f), x2, getattr(p2, f), batch_size)))) for f in _STEP_LINEAR
+        }
+        meta = {"step_fwd_flops": max(0.0, _line(x1, p1.meta.get("step_fwd_flops", 0), x2, p2.meta.get("step_fwd_flops", 0), batch_size))}
+        base = {
+            "static_bytes": p1.static_bytes,
+            "outside_grad_bytes": p1.outside_grad_bytes,
+            "grads_live_in_forward": p1.grads_live_in_forward,
+            "optimizer_transient_bytes": p1.optimizer_transient_bytes,
+        }
+        base.update(step_fields)
+        return StepCost(blocks=tuple(blocks), batch_size=int(batch_size), meta=meta, **fields, **base)
+
+    def check_error(self) -> float:
+        """Largest relative error of the predicted total saved and boundary bytes at the check probe."""
+        if self.check is None:
+            return 0.0
+        pred = self.at(self.check.batch_size)
+        worst = 0.0
+        for p, m in zip(pred.blocks, self.check.blocks):
+            for f in ("saved_bytes", "input_bytes"):
+                mv = getattr(m, f)
+                if mv > 0:
+                    worst = max(worst, abs(getattr(p, f) - mv) / mv)
+        return worst
+
+    def to_dict(self) -> dict:
+        return {
+            "probes": [p.to_dict() for p in self.probes],
+            "check": None if self.check is None else self.check.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Profile":
+        probes = tuple(StepCost.from_dict(p) for p in data["probes"])
+        check = None if data.get("check") is None else StepCost.from_dict(data["check"])
+        return cls(probes=probes, check=check)  # type: ignore[arg-type]

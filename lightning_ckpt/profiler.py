@@ -1,0 +1,350 @@
+"""Measure a training step block by block, without changing any state.
+
+One probe runs `step_fn(batch)` (forward and loss) and `loss.backward()` under a
+live-bytes tracker, a FLOP counter and saved-tensor hooks, with hooks that mark
+each block's forward and backward. It records per block what it saves for
+backward, its boundary tensors, its scratch space, FLOPs and forward time.
+Parameters, buffers, gradients and RNG state are restored after every probe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_ckpt.costs import BlockCost, StepCost
+from lightning_ckpt.profile import Profile
+from lightning_ckpt.tracker import LiveBytesTracker, _storage_key, storage_bytes
+
+StepFn = Callable[[Any], torch.Tensor]
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def batch_size_of(batch: Any) -> int:
+    """The leading dimension shared by the batch's tensors."""
+    sizes = {t.shape[0] for t in _tensors(batch) if t.dim() > 0}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"cannot tell the batch size: the batch's tensors have leading dimensions {sorted(sizes)}; "
+            "lightning-ckpt slices batches along dimension 0, so every tensor in the batch needs the same one."
+        )
+    return sizes.pop()
+
+
+def slice_batch(batch: Any, n: int) -> Any:
+    """The first `n` samples of a batch (tensors, tuples, lists, dicts, nested)."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:n] if batch.dim() > 0 else batch
+    if isinstance(batch, dict):
+        return type(batch)((k, slice_batch(v, n)) for k, v in batch.items())
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(slice_batch(v, n) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(slice_batch(v, n) for v in batch)
+    return batch
+
+
+def _tensors(obj: Any):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def _first_tensor(obj: Any) -> torch.Tensor | None:
+    return next(iter(_tensors(obj)), None)
+
+
+# ----------------------------------------------------------------------------- state
+
+
+@contextlib.contextmanager
+def preserved_state(model: nn.Module):
+    """Restore RNG streams, buffers and `.grad` of every parameter on exit."""
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    py_rng = random.getstate()
+    try:
+        import numpy as np
+
+        np_rng = np.random.get_state()
+    except ImportError:  # pragma: no cover
+        np_rng = None
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    modes = [(m, m.training) for m in model.modules()]
+    for p in params:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
+        with torch.no_grad():
+            for b, copy in buffers:
+                b.copy_(copy)
+        for m, mode in modes:
+            m.training = mode
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        random.setstate(py_rng)
+        if np_rng is not None:
+            import numpy as np
+
+            np.random.set_state(np_rng)
+
+
+# ----------------------------------------------------------------------------- one probe
+
+
+class _Probe:
+    """Hooks and counters for one measured step."""
+
+    def __init__(self, model: nn.Module, blocks: Sequence[nn.Module], tracker: LiveBytesTracker, flops: FlopCounterMode):
+        self.blocks = list(blocks)
+        self.n = len(self.blocks)
+        self.tracker = tracker
+        self.flops = flops
+        self.param_keys = {_storage_key(p) for p in model.parameters()}
+        self.current: int | None = None
+        self.done_blocks = 0
+        self.owner: dict[Any, int] = {}
+        n = self.n
+        self.saved = [0] * n
+        self.input_key: list[Any] = [None] * n
+        self.input_bytes = [0] * n
+        self.input_saved = [0] * n
+        self.output_bytes = [0] * n
+        self.fwd_transient = [0] * n
+        self.bwd_transient = [0] * n
+        self.fwd_flops = [0] * n
+        self.flops_at_entry = [0] * n
+        self.flops_at_last_pack = [0] * n
+        self.chains = [True] * n
+        self.live_entry = [0] * n
+        self.pre_bytes = 0
+        self.post_peak = 0
+        self.live_after_last = 0
+        self.prev_output: Any = None
+        self.bwd_open: int | None = None  # block whose backward window is open
+        self.bwd_start_live = 0
+        self.post_open = False
+
+    # forward
+    def pre_hook(self, module, args, kwargs):
+        i = self._index(module)
+        first = _first_tensor(args) if args else _first_tensor(kwargs)
+        if i > 0:
+            self.chains[i] = bool(args) and args[0] is self.prev_output
+        self.current = i
+        self.input_key[i] = _storage_key(first) if first is not None else None
+        self.input_bytes[i] = storage_bytes(first) if first is not None else 0
+        self.live_entry[i] = self.tracker.live_bytes
+        if i == 0:
+            own = self.input_bytes[0] if self.input_key[0] in self.tracker._live else 0
+            self.pre_bytes = max(0, self.tracker.live_bytes - own)
+        self.tracker.reset_peak()
+        self.flops_at_entry[i] = self.flops.get_total_flops()
+        self.flops_at_last_pack[i] = self.flops_at_entry[i]
+
+    def post_hook(self, module, args, output):
+        i = self._index(module)
+        out = _first_tensor(output)
+        self.prev_output = out
+        live = self.tracker.live_bytes
+        self.output_bytes[i] = storage_bytes(out) if out is not None else 0
+        self.fwd_transient[i] = max(0, self.tracker.peak_bytes - live)
+        self.fwd_flops[i] = self.flops.get_total_flops() - self.flops_at_entry[i]
+        self.current = None
+        if out is not None and out.requires_grad:
+            out.register_hook(self._bwd_marker(i))
+        if i == self.n - 1:
+            self.live_after_last = live - (self.output_bytes[i] if _storage_key(out) in self.tracker._live else 0)
+            self.post_open = True
+            self.tracker.reset_peak()
+
+    def pack(self, t: torch.Tensor):
+        i = self.current
+        if i is not None:
+            key = _storage_key(t)
+            if key is not None and key not in self.param_keys and key not in self.owner:
+                self.owner[key] = i
+                nbytes = storage_bytes(t)
+                self.saved[i] += nbytes
+                if key == self.input_key[i]:
+                    self.input_saved[i] = nbytes
+            self.flops_at_last_pack[i] = self.flops.get_total_flops()
+        return t
+
+    @staticmethod
+    def unpack(t):
+        return t
+
+    # backward
+    def _bwd_marker(self, i: int):
+        def hook(grad):
+            self._close_window()
+            self.bwd_open = i
+            self.bwd_start_live = self.tracker.live_bytes
+            self.tracker.reset_peak()
+
+        return hook
+
+    def _close_window(self) -> None:
+        if self.post_open:
+            self.post_peak = max(0, self.tracker.peak_bytes - self.live_after_last)
+            self.post_open = False
+        if self.bwd_open is not None:
+            self.bwd_transient[self.bwd_open] = max(0, self.tracker.peak_bytes - self.bwd_start_live)
+            self.bwd_open = None
+
+    def _index(self, module) -> int:
+        for k, b in enumerate(self.blocks):
+            if b is module:
+                return k
+        raise AssertionError("hook on a module that is not a block")
+
+
+def _grad_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
+
+def probe_step(
+    model: nn.Module,
+    blocks: Sequence[nn.Module],
+    step_fn: StepFn,
+    batch: Any,
+    names: Sequence[str] | None = None,
+    timing: bool = True,
+) -> StepCost:
+    """Measure one forward+backward of `step_fn(batch)`; leaves all state as found."""
+    blocks = list(blocks)
+    names = list(names) if names is not None else [f"block{i}" for i in range(len(blocks))]
+    batch_n = batch_size_of(batch)
+    with preserved_state(model):
+        tracker = LiveBytesTracker()
+        flops = FlopCounterMode(display=False)
+        probe = _Probe(model, blocks, tracker, flops)
+        handles = []
+        for b in blocks:
+            handles.append(b.register_forward_pre_hook(probe.pre_hook, with_kwargs=True))
+            handles.append(b.register_forward_hook(probe.post_hook, always_call=True))
+        try:
+            with flops, tracker:
+                with torch.autograd.graph.saved_tensors_hooks(probe.pack, probe.unpack):
+                    loss = _as_loss(step_fn(batch))
+                step_fwd_flops = flops.get_total_flops()
+                loss.backward()
+                probe._close_window()
+                del loss
+        finally:
+            for h in handles:
+                h.remove()
+        fwd_ms = _time_blocks(model, blocks, step_fn, batch) if timing else [0.0] * len(blocks)
+
+    outside_grad = _grad_bytes(model) - sum(_grad_bytes(b) for b in blocks)
+    costs = tuple(
+        BlockCost(
+            name=names[i],
+            saved_bytes=probe.saved[i],
+            input_bytes=probe.input_bytes[i],
+            input_saved_bytes=probe.input_saved[i],
+            output_bytes=probe.output_bytes[i],
+            fwd_transient_bytes=probe.fwd_transient[i],
+            bwd_transient_bytes=probe.bwd_transient[i],
+            grad_bytes=_grad_bytes(blocks[i]),
+            fwd_flops=int(probe.fwd_flops[i]),
+            tail_flops=int(probe.fwd_flops[i] - (probe.flops_at_last_pack[i] - probe.flops_at_entry[i])),
+            fwd_ms=fwd_ms[i],
+            chains_from_previous=probe.chains[i] if i > 0 else True,
+        )
+        for i in range(len(blocks))
+    )
+    return StepCost(
+        blocks=costs,
+        batch_size=batch_n,
+        outside_grad_bytes=max(0, outside_grad),
+        pre_saved_bytes=probe.pre_bytes,
+        post_saved_bytes=probe.post_peak,
+        meta={"step_fwd_flops": int(step_fwd_flops)},
+    )
+
+
+def _as_loss(out: Any) -> torch.Tensor:
+    if isinstance(out, dict):
+        out = out.get("loss")
+    if not isinstance(out, torch.Tensor) or out.numel() != 1 or not out.requires_grad:
+        raise ValueError(
+            f"the training step returned {type(out).__name__}, not a scalar loss tensor that requires grad; "
+            "lightning-ckpt profiles forward and backward, so training_step must return the loss (or {'loss': loss})."
+        )
+    return out
+
+
+def _time_blocks(model: nn.Module, blocks: Sequence[nn.Module], step_fn: StepFn, batch: Any) -> list[float]:
+    """Forward wall time of each block (ms), measured in a plain forward without grad."""
+    times = [0.0] * len(blocks)
+    starts = [0.0] * len(blocks)
+    handles = []
+    for i, b in enumerate(blocks):
+
+        def pre(module, args, i=i):
+            starts[i] = time.perf_counter()
+
+        def post(module, args, out, i=i):
+            times[i] = (time.perf_counter() - starts[i]) * 1e3
+
+        handles.append(b.register_forward_pre_hook(pre))
+        handles.append(b.register_forward_hook(post))
+    try:
+        with torch.no_grad():
+            step_fn(batch)
+    finally:
+        for h in handles:
+            h.remove()
+    return times
+
+
+# ----------------------------------------------------------------------------- profile
+
+
+def profile_model(
+    model: nn.Module,
+    blocks: Sequence[nn.Module],
+    step_fn: StepFn,
+    batch: Any,
+    probe_batch_sizes: tuple[int, int] = (1, 2),
+    check_batch_size: int | None = 4,
+    names: Sequence[str] | None = None,
+    timing: bool = True,
+) -> Profile:
+    """Probe at two small slices of `batch` (and check on a third) -> `Profile`."""
+    n = batch_size_of(batch)
+    sizes = [s for s in (*probe_batch_sizes, check_batch_size) if s is not None]
+    if any(s < 1 for s in sizes) or len(set(probe_batch_sizes)) != 2:
+        raise ValueError(f"probe batch sizes must be two different positive integers, got {probe_batch_sizes}.")
+    if max(sizes) > n:
+        raise ValueError(
+            f"the batch has {n} samples but profiling slices up to {max(sizes)}; pass a larger batch or "
+            "smaller probe_batch_sizes / check_batch_size."
+        )
+    probes = tuple(probe_step(model, blocks, step_fn, slice_batch(batch, s), names, timing) for s in probe_batch_sizes)
+    check = None
+    if check_batch_size is not None and check_batch_size not in probe_batch_sizes:
+        check = probe_step(model, blocks, step_fn, slice_batch(batch, check_batch_size), names, timing=False)
+    return Profile(probes=probes, check=check)  # type: ignore[arg-type]
