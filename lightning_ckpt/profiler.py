@@ -87,6 +87,7 @@ def preserved_state(model: nn.Module):
     params = list(model.parameters())
     grads = [p.grad for p in params]
     modes = [(m, m.training) for m in model.modules()]
+    metrics = [(m, _metric_state(m)) for m in model.modules() if _is_metric(m)]
     for p in params:
         p.grad = None
     try:
@@ -99,6 +100,9 @@ def preserved_state(model: nn.Module):
                 b.copy_(copy)
         for m, mode in modes:
             m.training = mode
+        for m, state in metrics:
+            for k, v in state.items():
+                setattr(m, k, v)
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
@@ -107,6 +111,18 @@ def preserved_state(model: nn.Module):
             import numpy as np
 
             np.random.set_state(np_rng)
+
+
+def _is_metric(m: nn.Module) -> bool:
+    """A torchmetrics `Metric` (duck-typed: its states live outside buffers)."""
+    return isinstance(getattr(m, "_defaults", None), dict) and hasattr(m, "_update_count")
+
+
+def _metric_state(m: nn.Module) -> dict:
+    import copy
+
+    keys = [*m._defaults, "_update_count", "_computed"]
+    return {k: copy.deepcopy(getattr(m, k)) for k in keys if hasattr(m, k)}
 
 
 # ----------------------------------------------------------------------------- one probe

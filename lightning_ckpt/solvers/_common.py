@@ -1,0 +1,124 @@
+"""Input checks and exact-arithmetic helpers shared by the knapsack solvers.
+
+Every solver takes ``(memory, runtimes, max_memory)`` as in PyTorch's
+``torch/_functorch/_activation_checkpointing/knapsack.py``. This module turns them
+into float64 arrays (or says clearly why it cannot), splits off the items whose
+fate is fixed by the problem statement, and decides feasibility exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from fractions import Fraction
+
+import numpy as np
+
+Result = tuple[float, list[int], list[int]]
+
+
+def as_problem(
+    memory: Sequence[float], runtimes: Sequence[float], max_memory: float, solver: str
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """Return float64 copies of the inputs after checking that they make sense.
+
+    Raises ValueError naming the offending entry, why a knapsack cannot use it,
+    and what to pass instead.
+    """
+    w = _as_vector(memory, "memory", solver)
+    v = _as_vector(runtimes, "runtimes", solver)
+    if w.shape != v.shape:
+        raise ValueError(
+            f"{solver}: got {w.size} memory entries but {v.size} runtimes; every item "
+            "needs exactly one of each (same order), so pass lists of equal length."
+        )
+    _check_entries(w, "memory", solver, allow_inf=True)
+    _check_entries(v, "runtimes", solver, allow_inf=False)
+    try:
+        cap = float(max_memory)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{solver}: max_memory={max_memory!r} is not a number; pass the memory "
+            "budget as a float in the same unit as `memory`."
+        ) from None
+    if math.isnan(cap) or cap < 0:
+        raise ValueError(
+            f"{solver}: max_memory={cap!r} is not a usable budget (it must be a number "
+            ">= 0, and NaN or a negative value admits no selection); pass 0.0 to "
+            "recompute everything that takes memory."
+        )
+    return w, v, cap
+
+
+def _as_vector(values: Sequence[float], name: str, solver: str) -> np.ndarray:
+    try:
+        arr = np.array(values, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{solver}: {name} could not be read as a list of numbers (got "
+            f"{type(values).__name__}); pass a flat list of floats, one per item."
+        ) from None
+    if arr.ndim != 1:
+        raise ValueError(
+            f"{solver}: {name} has shape {arr.shape}, but the solver needs one number "
+            "per item; pass a flat list."
+        )
+    return arr
+
+
+def _check_entries(arr: np.ndarray, name: str, solver: str, allow_inf: bool) -> None:
+    bad = np.isnan(arr) | (arr < 0)
+    if not allow_inf:
+        bad |= np.isinf(arr)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        allowed = "finite and >= 0" if not allow_inf else ">= 0 (not NaN)"
+        raise ValueError(
+            f"{solver}: {name}[{i}] = {arr[i]!r}, but every entry must be {allowed}; "
+            f"a knapsack cannot weigh a negative, NaN or infinite {name} against the "
+            "others. Fix the cost model upstream (clamp estimates at 0)."
+        )
+
+
+def split_trivial(
+    w: np.ndarray, v: np.ndarray, cap: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split items into (always saved, never saved, to decide).
+
+    Zero-memory items with positive runtime are free: always saved. Items with
+    zero runtime gain nothing: never saved. Items heavier than the budget cannot
+    be saved. Everything else is left to the solver.
+    """
+    free_gain = (w == 0) & (v > 0)
+    useless = (v == 0) | (w > cap)
+    decide = ~(free_gain | useless)
+    return np.flatnonzero(free_gain), np.flatnonzero(useless), np.flatnonzero(decide)
+
+
+def fits_exactly(weights: Sequence[float], cap: float) -> bool:
+    """True iff the exact real sum of `weights` is <= `cap`.
+
+    ``math.fsum`` is correctly rounded, so a strict comparison against the float
+    `cap` settles every case except a rounded sum equal to `cap`; that tie is
+    decided in rational arithmetic.
+    """
+    if math.isinf(cap):
+        return True
+    total = math.fsum(weights)
+    if total != cap:
+        return total < cap
+    exact = sum((Fraction(x) for x in weights), Fraction(0))
+    return exact <= Fraction(cap)
+
+
+def make_result(value_of: np.ndarray, saved: np.ndarray, n: int) -> Result:
+    """Build ``(value, saved, recomputed)`` with both index lists ascending.
+
+    The value is ``math.fsum`` of the saved runtimes, so it always equals the sum
+    over the returned selection (correctly rounded).
+    """
+    mask = np.zeros(n, dtype=bool)
+    mask[saved] = True
+    saved_idx = np.flatnonzero(mask)
+    value = math.fsum(value_of[saved_idx].tolist())
+    return value, saved_idx.tolist(), np.flatnonzero(~mask).tolist()

@@ -1,0 +1,84 @@
+"""Memory that does not depend on the batch: parameters, buffers, gradients, optimizer state.
+
+Counted from the live objects where they exist; the optimizer's state is estimated
+from its type before its first step (Adam keeps two moments per parameter, SGD
+with momentum one buffer, ...), since most optimizers create it lazily.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lightning_ckpt.tracker import unique_storage_bytes
+
+
+@dataclass(frozen=True)
+class StaticMemory:
+    param_bytes: int
+    buffer_bytes: int
+    grad_bytes: int  # gradients of trainable parameters, when all exist
+    optimizer_state_bytes: int
+    optimizer_transient_bytes: int  # scratch of one optimizer step
+
+    @property
+    def resident_bytes(self) -> int:
+        """What stays allocated all step (gradients come and go: modelled separately)."""
+        return self.param_bytes + self.buffer_bytes + self.optimizer_state_bytes
+
+
+def _trainable(params) -> list[torch.Tensor]:
+    return [p for p in params if p.requires_grad]
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer's state; estimated from its type before its first step."""
+    existing = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    if existing:
+        return unique_storage_bytes(existing)
+    total = 0
+    for group in optimizer.param_groups:
+        params = _trainable(group["params"])
+        nbytes = sum(p.numel() * p.element_size() for p in params)
+        per_param_scalar = 4 * len(params)  # Adam-style `step` tensors
+        if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            total += nbytes * (3 if group.get("amsgrad") else 2) + per_param_scalar
+        elif isinstance(optimizer, torch.optim.SGD):
+            total += nbytes if group.get("momentum", 0) else 0
+        elif isinstance(optimizer, torch.optim.RMSprop):
+            total += nbytes * (1 + bool(group.get("momentum", 0)) + bool(group.get("centered")))
+        elif isinstance(optimizer, torch.optim.Adagrad):
+            total += nbytes + per_param_scalar
+        else:
+            warnings.warn(
+                f"lightning-ckpt does not know how much state {type(optimizer).__name__} keeps before its first step; "
+                "assuming two tensors per parameter (like Adam). The plan is checked against the budget with that guess.",
+                stacklevel=2,
+            )
+            total += 2 * nbytes
+    return total
+
+
+def optimizer_transient_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Scratch of one step: per-parameter temporaries, or whole lists with `foreach`."""
+    params = [p for g in optimizer.param_groups for p in _trainable(g["params"])]
+    if not params:
+        return 0
+    foreach = any(g.get("foreach") for g in optimizer.param_groups) or all(p.is_cuda for p in params)
+    if foreach:
+        return sum(p.numel() * p.element_size() for p in params)
+    return 2 * max(p.numel() * p.element_size() for p in params)
+
+
+def static_memory(model: nn.Module, optimizers: list[torch.optim.Optimizer] | tuple = ()) -> StaticMemory:
+    params = list(model.parameters())
+    return StaticMemory(
+        param_bytes=unique_storage_bytes(params),
+        buffer_bytes=unique_storage_bytes(model.buffers()),
+        grad_bytes=sum(p.numel() * p.element_size() for p in _trainable(params)),
+        optimizer_state_bytes=sum(optimizer_state_bytes(o) for o in optimizers),
+        optimizer_transient_bytes=max((optimizer_transient_bytes(o) for o in optimizers), default=0),
+    )

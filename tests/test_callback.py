@@ -1,0 +1,163 @@
+"""The Lightning callback end to end on CPU: plan, apply, batch size, state, errors."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_ckpt import ActivationCheckpointing, InfeasibleBudgetError, apply_segments
+from lit_models import LitChain, TokenData, make_trainer
+
+BUDGET = 10 * 2**20
+
+
+def _fit(callbacks, seed=0, max_steps=3, data=None, model=None):
+    pl.seed_everything(seed, verbose=False)
+    model = model or LitChain()
+    data = data or TokenData(batch_size=8)
+    trainer = make_trainer(callbacks, max_steps=max_steps)
+    trainer.fit(model, datamodule=data)
+    return model, data, trainer
+
+
+def _peak_between_full_and_none(cb_policy="optimal"):
+    """A budget that forces some but not all checkpointing, from a first planning run."""
+    probe = ActivationCheckpointing(target_batch_size=8, memory_budget="1GiB", policy="none", verbose=False)
+    _fit([probe], max_steps=1)
+    from lightning_ckpt.planner import make_plan
+
+    none = make_plan(probe.cost, "none").predicted_peak_bytes
+    full = make_plan(probe.cost, "full").predicted_peak_bytes
+    return probe, (none + full) // 2
+
+
+def test_callback_same_losses_as_plan_applied_by_hand():
+    probe, budget = _peak_between_full_and_none()
+    cb = ActivationCheckpointing(target_batch_size=8, memory_budget=budget, policy="optimal", verbose=False)
+    model, _, _ = _fit([cb])
+    plan = cb.plan
+    assert plan is not None and plan.fits and 0 < len(plan.checkpointed) < 6
+    assert plan.predicted_peak_bytes <= budget
+
+    pl.seed_everything(0, verbose=False)
+    manual = LitChain()
+    apply_segments(list(manual.net.blocks), plan.segments)
+    make_trainer(max_steps=3).fit(manual, datamodule=TokenData(batch_size=8))
+    assert len(model.losses) == len(manual.losses) == 3
+    for a, b in zip(model.losses, manual.losses):
+        assert torch.equal(a, b)
+
+
+def test_callback_sets_loader_batch_size_and_exposes_plan():
+    cb = ActivationCheckpointing(target_batch_size=8, memory_budget="1GiB", policy="full", blocks="net.blocks", verbose=False)
+    model, data, trainer = _fit([cb], data=TokenData(batch_size=4))
+    assert data.batch_size == 8
+    plan = cb.plan
+    assert plan.checkpointed == tuple(range(6))
+    assert plan.segments == tuple((i, i) for i in range(6))
+    assert isinstance(plan.predicted_peak_bytes, int) and plan.recompute_flops > 0
+    assert "checkpoint" in str(plan) and plan.to_dict()["policy"] == "full"
+    # hooks are gone after fit: the model is plain again
+    assert all(len(b._forward_pre_hooks) == 0 for b in model.net.blocks)
+
+
+def test_state_dict_keys_unchanged_and_checkpoint_loads_into_plain_model(tmp_path):
+    cb = ActivationCheckpointing(target_batch_size=8, memory_budget="1GiB", policy="full", verbose=False)
+    pl.seed_everything(0, verbose=False)
+    model = LitChain()
+    plain_keys = list(LitChain().state_dict().keys())
+    trainer = make_trainer([cb], max_steps=2)
+    seen = {}
+
+    class Peek(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            seen["keys"] = list(pl_module.state_dict().keys())
+            trainer.save_checkpoint(tmp_path / "mid.ckpt")
+
+    trainer.callbacks.append(Peek())
+    trainer.fit(model, datamodule=TokenData(batch_size=8))
+    assert seen["keys"] == plain_keys
+    ckpt = torch.load(tmp_path / "mid.ckpt", weights_only=False)
+    plain = LitChain()
+    plain.load_state_dict(ckpt["state_dict"])  # strict
+    assert torch.equal(plain.net.head.weight, model.net.head.weight)
+    assert any("ActivationCheckpointing" in k for k in ckpt["callbacks"])
+
+
+def test_infeasible_target_names_largest_batch():
+    probe, _ = _peak_between_full_and_none()
+    from lightning_ckpt.static_memory import StaticMemory
+
+    static = StaticMemory(
+        param_bytes=probe.cost.static_bytes, buffer_bytes=0, grad_bytes=0, optimizer_state_bytes=0,
+        optimizer_transient_bytes=probe.cost.optimizer_transient_bytes,
+    )
+    from lightning_ckpt.planner import make_plan
+
+    full_8 = make_plan(probe.cost, "full").predicted_peak_bytes
+    budget = full_8 - 1  # batch 8 cannot fit even fully checkpointed
+    cb = ActivationCheckpointing(target_batch_size=8, memory_budget=budget, verbose=False)
+    with pytest.raises(InfeasibleBudgetError, match=r"target_batch_size=8 .* the largest batch that fits with the best plan is (\d+)") as info:
+        _fit([cb])
+    import re
+
+    largest = int(re.search(r"is (\d+)", str(info.value)).group(1))
+    assert 1 <= largest < 8
+    cb._budget_bytes = budget
+    assert make_plan(cb._cost_at(largest, static), "optimal", budget).fits
+    with pytest.raises(InfeasibleBudgetError):
+        make_plan(cb._cost_at(largest + 1, static), "optimal", budget)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"target_batch_size": 0}, r"target_batch_size=0 must be a positive integer"),
+        ({"target_batch_size": -4}, r"target_batch_size=-4 must be a positive integer"),
+        ({"target_batch_size": "8"}, r"target_batch_size='8' must be a positive integer"),
+        ({"target_batch_size": 8, "memory_budget": 0}, r"memory_budget=0 must be a positive number of bytes"),
+        ({"target_batch_size": 8, "memory_budget": -5}, r"memory_budget=-5 must be a positive"),
+        ({"target_batch_size": 8, "memory_budget": "lots"}, r"memory_budget='lots' is not a size"),
+        ({"target_batch_size": 8, "memory_budget": "6G"}, r"memory_budget='6G' is not a size .* GiB"),
+        ({"target_batch_size": 8, "memory_budget": "1GiB", "policy": "fast"}, r"policy='fast' is not a known policy"),
+        ({"target_batch_size": 8, "memory_budget": "1GiB", "every_k": 2}, r"every_k=2 only applies to policy='every_k'"),
+        ({"target_batch_size": 8, "memory_budget": "1GiB", "blocks": ""}, r"blocks='' must be a dotted path"),
+        ({"target_batch_size": 8, "memory_budget": "1GiB", "probe_batch_sizes": (2, 2)}, r"two different positive integers"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ActivationCheckpointing(**kwargs)
+
+
+def test_unknown_blocks_path_lists_candidates():
+    cb = ActivationCheckpointing(target_batch_size=8, memory_budget="1GiB", blocks="encoder.layers", verbose=False)
+    with pytest.raises(ValueError, match=r"blocks='encoder.layers' is not a submodule .* 'net.blocks' \(6 blocks\)"):
+        _fit([cb])
+
+
+def test_model_without_repeated_blocks():
+    class Flat(LitChain):
+        def __init__(self):
+            super().__init__()
+            self.net.blocks = torch.nn.Identity()
+
+    cb = ActivationCheckpointing(target_batch_size=8, memory_budget="1GiB", verbose=False)
+    with pytest.raises(ValueError, match=r"no container .* of two or more blocks of one class"):
+        _fit([cb], model=Flat())
+
+
+def test_cpu_without_budget():
+    cb = ActivationCheckpointing(target_batch_size=8, verbose=False)
+    with pytest.raises(ValueError, match=r"memory_budget was not given and the training device is 'cpu'"):
+        _fit([cb])
+
+
+def test_profiling_leaves_metrics_logging_and_rng_untouched():
+    """Losses with the callback (policy none) equal losses without any callback."""
+    cb = ActivationCheckpointing(target_batch_size=8, memory_budget="1GiB", policy="none", verbose=False)
+    with_cb, _, _ = _fit([cb])
+    without, _, _ = _fit([])
+    assert all(torch.equal(a, b) for a, b in zip(with_cb.losses, without.losses))
+    assert len(with_cb.losses) == 3  # profiling steps are not counted as training steps
