@@ -1,0 +1,112 @@
+"""Profiler: linear extrapolation of bytes, state left untouched, batch slicing."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_ckpt.profiler import batch_size_of, probe_step, profile_model, slice_batch
+from models import TinyChain, TinyCNN, tokens_batch
+
+
+def _chain_loss(model):
+    def step(batch):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    return step
+
+
+@pytest.mark.parametrize("probes", [(1, 2), (2, 4)])
+def test_bytes_from_two_small_probes_within_2_percent_at_batch_32(probes):
+    torch.manual_seed(0)
+    model = TinyChain(n_blocks=4, d=64, vocab=100, p=0.1)
+    batch = tokens_batch(batch=32, seq=48, vocab=100)
+    prof = profile_model(model, list(model.blocks), _chain_loss(model), batch, probes, check_batch_size=8)
+    assert prof.check_error() < 0.02
+    predicted = prof.at(32)
+    measured = probe_step(model, list(model.blocks), _chain_loss(model), batch, timing=False)
+    for p, m in zip(predicted.blocks, measured.blocks):
+        for field in ("saved_bytes", "input_bytes", "output_bytes", "fwd_flops"):
+            assert getattr(p, field) == pytest.approx(getattr(m, field), rel=0.02), field
+        assert m.saved_bytes > 10 * m.input_bytes  # the block really saves its interior
+
+
+def test_probe_measures_what_the_block_saves():
+    """One Linear->GELU->Linear block: hand-count its saved activations."""
+    torch.manual_seed(0)
+    model = TinyChain(n_blocks=2, d=16, vocab=20, p=0.0)
+    b, s, d = 4, 8, 16
+    cost = probe_step(model, list(model.blocks), _chain_loss(model), tokens_batch(batch=b, seq=s, vocab=20), timing=False)
+    blk = cost.blocks[1]
+    f = 4  # float32
+    # LayerNorm saves its input (x), mean and rstd; fc1 saves its input (normed x);
+    # GELU saves its input (fc1 out); fc2 saves its input (gelu out).
+    expected = f * (b * s * d + 2 * b * s + b * s * d + b * s * 4 * d + b * s * 4 * d)
+    assert blk.saved_bytes == expected
+    assert blk.input_bytes == f * b * s * d
+    assert blk.input_saved_bytes == blk.input_bytes
+    assert blk.fwd_flops == 2 * (2 * b * s * d * 4 * d)
+    assert blk.grad_bytes == f * (2 * d + 4 * d * d + 4 * d + 4 * d * d + d)
+    assert cost.blocks[1].chains_from_previous
+
+
+def test_profiling_leaves_all_state_as_found():
+    torch.manual_seed(0)
+    model = TinyCNN(n_blocks=3, c=4)
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(8, 3, 8, 8)
+    y = torch.randint(0, 2, (8,))
+
+    def step(batch):
+        xb, yb = batch
+        return torch.nn.functional.cross_entropy(model(torch.nn.functional.dropout(xb, 0.3)), yb)
+
+    step((x, y)).backward()
+    opt.step()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    opt_state = {k: {kk: vv.clone() for kk, vv in v.items()} for k, v in opt.state.items()}
+    rng = torch.get_rng_state()
+    py_state, np_state = random.getstate(), np.random.get_state()
+
+    profile_model(model, list(model.blocks), step, (x, y), (2, 4), 8)
+
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k  # includes running stats and num_batches_tracked
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, grads[n]), n
+    for k, v in opt.state.items():
+        for kk, vv in v.items():
+            assert torch.equal(vv, opt_state[k][kk])
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert random.getstate() == py_state
+    assert np.array_equal(np.random.get_state()[1], np_state[1])
+    assert model.training
+
+
+def test_slicing_nested_batches():
+    batch = {"x": torch.zeros(8, 3), "meta": [torch.ones(8), "tag"], "n": 3}
+    assert batch_size_of(batch) == 8
+    sliced = slice_batch(batch, 2)
+    assert sliced["x"].shape == (2, 3) and sliced["meta"][0].shape == (2,) and sliced["meta"][1] == "tag"
+    with pytest.raises(ValueError, match=r"leading dimensions \[3, 8\]"):
+        batch_size_of((torch.zeros(8, 2), torch.zeros(3)))
+
+
+def test_bad_probe_sizes_and_small_batch():
+    model = TinyChain(n_blocks=2)
+    batch = tokens_batch(batch=4)
+    with pytest.raises(ValueError, match="two different positive integers"):
+        profile_model(model, list(model.blocks), _chain_loss(model), batch, (2, 2))
+    with pytest.raises(ValueError, match="the batch has 4 samples but profiling slices up to 8"):
+        profile_model(model, list(model.blocks), _chain_loss(model), batch, (1, 2), check_batch_size=8)
+
+
+def test_step_must_return_a_loss():
+    model = TinyChain(n_blocks=2)
+    with pytest.raises(ValueError, match="training_step must return the loss"):
+        probe_step(model, list(model.blocks), lambda b: model(b[0]), tokens_batch(batch=2))
