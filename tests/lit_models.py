@@ -27,6 +27,7 @@ class LitChain(pl.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.losses.append(outputs["loss"].detach().clone())
+        self.last_grads = {n: p.grad.detach().clone() for n, p in self.named_parameters() if p.grad is not None}
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)

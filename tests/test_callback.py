@@ -49,6 +49,30 @@ def test_callback_same_losses_as_plan_applied_by_hand():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize(
+    ("policy", "every_k"), [("none", None), ("full", None), ("every_k", 2), ("sqrt", None), ("greedy", None), ("optimal", None)]
+)
+def test_every_policy_bit_identical_to_no_checkpointing(policy, every_k, budget_midpoint):
+    """Acceptance: losses and all gradients after 3 optimizer steps, fp32, dropout on."""
+    budget = budget_midpoint if policy in ("greedy", "optimal") else "1GiB"
+    cb = ActivationCheckpointing(target_batch_size=8, memory_budget=budget, policy=policy, every_k=every_k, verbose=False)
+    model, _, _ = _fit([cb])
+    reference, _, _ = _fit([])
+    if policy != "none":
+        assert cb.plan.checkpointed, policy
+    assert len(model.losses) == 3
+    for a, b in zip(model.losses, reference.losses):
+        assert torch.equal(a, b)
+    assert model.last_grads.keys() == reference.last_grads.keys() and len(model.last_grads) > 10
+    for name, g in reference.last_grads.items():
+        assert torch.equal(model.last_grads[name], g), name
+
+
+@pytest.fixture(scope="module")
+def budget_midpoint():
+    return _peak_between_full_and_none()[1]
+
+
 def test_callback_sets_loader_batch_size_and_exposes_plan():
     cb = ActivationCheckpointing(target_batch_size=8, memory_budget="1GiB", policy="full", blocks="net.blocks", verbose=False)
     model, data, trainer = _fit([cb], data=TokenData(batch_size=4))
