@@ -125,20 +125,24 @@ def predict_peak(cost: StepCost, segments: Segments) -> PeakBreakdown:
     return PeakBreakdown(int(peak), phase, int(fwd), int(bwd), int(opt))
 
 
-def segment_cost(cost: StepCost, first: int, last: int, metric: str = "flops") -> float:
-    """What rebuilding one segment costs: the forward of its blocks, each once.
+def block_recompute(block, metric: str = "flops") -> float:
+    """Forward cost of one block in `metric` (`flops` or `ms`)."""
+    return block.fwd_flops if metric == "flops" else block.fwd_ms
 
-    torch's early stop ends the recompute at the last saved tensor, so the ops after
-    the last block's final save (its `tail_flops`) are not rerun. Times are scaled
-    by the same fraction.
-    """
-    blocks = cost.blocks
-    total = sum(getattr(blocks[i], "fwd_flops" if metric == "flops" else "fwd_ms") for i in range(first, last + 1))
-    tail = blocks[last]
+
+def skipped_tail(block, metric: str = "flops") -> float:
+    """What torch's early stop skips when `block` ends a segment: the ops after its
+    last saved tensor (`tail_flops`; times scaled by the same fraction)."""
     if metric == "flops":
-        return total - tail.tail_flops
-    frac = tail.tail_flops / tail.fwd_flops if tail.fwd_flops else 0.0
-    return total - frac * tail.fwd_ms
+        return block.tail_flops
+    return block.fwd_ms * (block.tail_flops / block.fwd_flops) if block.fwd_flops else 0.0
+
+
+def segment_cost(cost: StepCost, first: int, last: int, metric: str = "flops") -> float:
+    """What rebuilding one segment costs: the forward of its blocks, each once, less
+    the skipped tail of its last block."""
+    blocks = cost.blocks
+    return sum(block_recompute(blocks[i], metric) for i in range(first, last + 1)) - skipped_tail(blocks[last], metric)
 
 
 def recompute_cost(cost: StepCost, segments: Segments, metric: str = "flops") -> float:

@@ -12,7 +12,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_ckpt.costs import StepCost
-from lightning_ckpt.memory_model import predict_peak, recompute_cost, segment_cost, segment_of, validate_segments
+from lightning_ckpt.memory_model import (
+    block_recompute,
+    predict_peak,
+    recompute_cost,
+    segment_of,
+    skipped_tail,
+    validate_segments,
+)
 from lightning_ckpt.plan import BlockRow, Plan, format_bytes
 
 POLICIES = ("none", "full", "every_k", "sqrt", "greedy", "optimal")
@@ -117,8 +124,13 @@ class _Element:
     cost: float
 
 
-def _elements_from(cost: StepCost, a: int, grads_after: list[int], fwd_grads: int, max_len: int, metric: str):
-    """Kept block `a`, and every checkpointed segment starting at `a`, with their needs."""
+def _elements_from(
+    cost: StepCost, a: int, grads_after: list[int], fwd_grads: int, max_len: int, metric: str, room: float = math.inf
+):
+    """Kept block `a`, and every checkpointed segment starting at `a`, with their needs.
+
+    Segments stop growing once even their rebuilt interior alone exceeds `room`.
+    """
     blocks = cost.blocks
     static = cost.static_bytes + cost.pre_saved_bytes
     blk = blocks[a]
@@ -128,39 +140,69 @@ def _elements_from(cost: StepCost, a: int, grads_after: list[int], fwd_grads: in
     )
     yield _Element(a, a, False, blk.saved_bytes, need, 0.0)
     x_a = blk.input_bytes
+    base = static + x_a - blk.input_saved_bytes
     fwd_need = 0
-    saved_sum = 0
+    saved_sum = 0  # S(a..b)
+    scratch = 0  # largest forward scratch in the segment (the recompute's)
+    inner = -math.inf  # max over k < b of the backward of block k, less `base`
+    run_cost = 0.0
     for b in range(a, min(len(blocks), a + max_len)):
         if b > a and not blocks[b].chains_from_previous:
             break
         bb = blocks[b]
         saved_sum += bb.saved_bytes
+        if base + cost.outside_grad_bytes + saved_sum > room:
+            break  # [constraint] the rebuilt interior only grows with the segment
+        run_cost += block_recompute(bb, metric)
+        scratch = max(scratch, bb.fwd_transient_bytes)
         boundary = x_a if b > a else 0
         fwd_need = max(fwd_need, static + fwd_grads + boundary + bb.saved_bytes + bb.output_bytes + bb.fwd_transient_bytes)
-        # [constraint] backward of the segment: rebuilt interior on top of its boundary.
-        scratch = max(blocks[k].fwd_transient_bytes for k in range(a, b + 1))
-        rebuilt = saved_sum - blk.input_saved_bytes
-        bwd_need = 0
-        for k in range(b, a - 1, -1):
-            bk = blocks[k]
-            extra = max(bk.bwd_transient_bytes, scratch) if k == b else bk.bwd_transient_bytes
-            bwd_need = max(bwd_need, static + grads_after[k] + x_a + rebuilt + bk.output_bytes + extra)
-            rebuilt -= bk.saved_bytes - (bk.input_saved_bytes if k == a else 0)
-        yield _Element(a, b, True, x_a, max(fwd_need, bwd_need), segment_cost(cost, a, b, metric))
+        # [constraint] backward of the segment: its interior is rebuilt at once on top of
+        # the boundary; block k's backward then runs with blocks a..k still rebuilt.
+        last = grads_after[b] + saved_sum + bb.output_bytes + max(bb.bwd_transient_bytes, scratch)
+        bwd_need = base + max(inner, last)
+        inner = max(inner, grads_after[b] + saved_sum + bb.output_bytes + bb.bwd_transient_bytes)
+        yield _Element(a, b, True, x_a, max(fwd_need, bwd_need), run_cost - skipped_tail(bb, metric))
 
 
 def optimal_segments(
     cost: StepCost, budget_bytes: int, metric: str = "flops", max_segment_blocks: int | None = None
 ) -> list[tuple[int, int]]:
-    """Exact minimum-recompute plan under the memory model (ties: lower peak).
+    """Exact minimum-recompute plan under the memory model; among those, the lowest peak.
+
+    The least recompute C* comes from `_least_recompute`. Ties are then broken by
+    bisecting the budget: the smallest budget B' at which C* is still reachable is
+    exactly the lowest peak of any plan that costs C* (a cheaper peak would make a
+    smaller B' reach C*).
+    """
+    found = _least_recompute(cost, budget_bytes, metric, max_segment_blocks)
+    if found is None:
+        raise InfeasibleBudgetError(_infeasible_message(cost, budget_bytes, "optimal"))
+    best_c, segs = found
+    hi = predict_peak(cost, segs).peak_bytes  # reaches C*
+    lo = cost.static_bytes - 1  # nothing fits below the static memory
+    cap = best_c + 1e-9 * max(1.0, abs(best_c))
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        trial = _least_recompute(cost, mid, metric, max_segment_blocks, cost_cap=cap)
+        if trial is not None:
+            hi, segs = predict_peak(cost, trial[1]).peak_bytes, trial[1]
+        else:
+            lo = mid
+    return segs
+
+
+def _least_recompute(
+    cost: StepCost, budget_bytes: int, metric: str, max_segment_blocks: int | None, cost_cap: float = math.inf
+) -> tuple[float, list[tuple[int, int]]] | None:
+    """(least recompute, a plan reaching it) within `budget_bytes`, or None.
 
     [recurrence] walking the chain left to right, the state after a prefix is the
     pair (bytes left resident R, recompute spent C); the choice for the next block
     (keep it, or open a segment of length L) is feasible iff R + need <= budget and
     moves to (R + resident, C + cost). A state is dropped when another has R' <= R
     and C' <= C: every later constraint depends on the prefix only through R, so the
-    Pareto frontier is exact. The state also carries the peak P reached so far, and
-    dominance is taken over (R, C, P), so ties in C are broken by the true peak.
+    Pareto frontier is exact. States costing more than `cost_cap` are dropped too.
     """
     n = cost.n_blocks
     max_len = n if max_segment_blocks is None else max(1, max_segment_blocks)
@@ -174,45 +216,45 @@ def optimal_segments(
     end_need = static + cost.post_saved_bytes + max(fwd_grads, cost.outside_grad_bytes)
     opt_need = cost.static_bytes + cost.grad_bytes + cost.optimizer_transient_bytes
     if opt_need > budget_bytes:
-        raise InfeasibleBudgetError(_infeasible_message(cost, budget_bytes, "optimal"))
+        return None
 
-    # frontier[p]: list of (R, C, P, back) with back = (prev_position, prev_state_index, element)
+    # frontier[p]: list of (R, C, back) with back = (prev_position, prev_state_index, element)
     frontier: list[list[tuple]] = [[] for _ in range(n + 1)]
-    frontier[0] = [(0, 0.0, opt_need, None)]
+    frontier[0] = [(0, 0.0, None)]
     for p in range(n):
         states = frontier[p]
         if not states:
             continue
-        elements = list(_elements_from(cost, p, grads_after, fwd_grads, max_len, metric))
-        for si, (r, c, pk, _) in enumerate(states):
+        min_r = min(st[0] for st in states)
+        elements = list(_elements_from(cost, p, grads_after, fwd_grads, max_len, metric, budget_bytes - min_r))
+        for si, (r, c, _) in enumerate(states):
             for el in elements:
-                need = r + el.need_bytes
-                if need <= budget_bytes:
-                    frontier[el.last + 1].append((r + el.resident_bytes, c + el.cost, max(pk, need), (p, si, el)))
+                if r + el.need_bytes <= budget_bytes and c + el.cost <= cost_cap:
+                    frontier[el.last + 1].append((r + el.resident_bytes, c + el.cost, (p, si, el)))
         # [recurrence] position p+1 has received from every source (all q <= p): prune it.
         frontier[p + 1] = _pareto(frontier[p + 1])
-    finals = [(s[1], max(s[2], s[0] + end_need), s) for s in frontier[n] if s[0] + end_need <= budget_bytes]
+    finals = [st for st in frontier[n] if st[0] + end_need <= budget_bytes]
     if not finals:
-        raise InfeasibleBudgetError(_infeasible_message(cost, budget_bytes, "optimal"))
-    _, _, best = min(finals, key=lambda f: (f[0], f[1]))
-    return _backtrack(frontier, best)
+        return None
+    best = min(finals, key=lambda st: (st[1], st[0]))
+    return best[1], _backtrack(frontier, best)
 
 
 def _pareto(states: list[tuple]) -> list[tuple]:
-    """Drop every state that another beats or equals on resident, cost and peak."""
-    states.sort(key=lambda s: (s[1], s[0], s[2]))
+    """Keep the states no other beats or equals on both resident bytes and cost."""
+    states.sort(key=lambda st: (st[1], st[0]))
     kept: list[tuple] = []
-    for s in states:
-        if not any(k[0] <= s[0] and k[2] <= s[2] for k in kept):  # kept ones have cost <= s's
-            kept.append(s)
+    for st in states:
+        if not kept or st[0] < kept[-1][0]:  # kept: rising cost, falling resident bytes
+            kept.append(st)
     return kept
 
 
 def _backtrack(frontier, state) -> list[tuple[int, int]]:
     segs = []
     s = state
-    while s[3] is not None:
-        p, si, el = s[3]
+    while s[2] is not None:
+        p, si, el = s[2]
         if el.checkpointed:
             segs.append((el.first, el.last))
         s = frontier[p][si]
