@@ -1,0 +1,76 @@
+"""The 48-block encoder example: predicted peaks against the tracker's measured peaks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_ckpt import make_plan, measure_step_peak, profile_model, static_memory
+from lightning_ckpt.apply import apply_segments
+
+TARGET = 16
+
+
+@pytest.fixture(scope="module")
+def encoder_setup():
+    from train_encoder import EncoderClassifier, SyntheticTextDataModule
+
+    torch.manual_seed(0)
+    model = EncoderClassifier()
+    assert len(model.blocks) == 48
+    data = SyntheticTextDataModule(batch_size=TARGET)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def loss_fn(b):
+        x, y = b
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    # one real step first: gradients and AdamW state exist, as in steady-state training
+    loss_fn(batch).backward()
+    opt.step()
+    profile = profile_model(model, list(model.blocks), loss_fn, batch, (1, 2), 4)
+    static = static_memory(model, [opt])
+    cost = profile.at(
+        TARGET, static_bytes=static.resident_bytes, optimizer_transient_bytes=static.optimizer_transient_bytes
+    )
+    return model, opt, batch, loss_fn, profile, cost
+
+
+def _measure(model, opt, batch, loss_fn, segments):
+    handle = apply_segments(list(model.blocks), segments)
+    try:
+        return measure_step_peak(model, loss_fn, batch, opt)
+    finally:
+        handle.remove()
+
+
+def test_profile_line_checks_out(encoder_setup):
+    *_, profile, _ = encoder_setup
+    assert profile.check_error() < 0.02
+
+
+@pytest.mark.parametrize(("policy", "k"), [("none", None), ("full", None), ("every_k", 4), ("sqrt", None)])
+def test_fixed_policies_predicted_within_10_percent(encoder_setup, policy, k):
+    model, opt, batch, loss_fn, _, cost = encoder_setup
+    plan = make_plan(cost, policy, None, every_k=k)
+    measured = _measure(model, opt, batch, loss_fn, plan.segments)
+    assert abs(plan.predicted_peak_bytes - measured) / measured < 0.10, (plan.predicted_peak_bytes, measured)
+
+
+def test_optimal_within_10_percent_and_under_budget(encoder_setup):
+    model, opt, batch, loss_fn, _, cost = encoder_setup
+    none = make_plan(cost, "none").predicted_peak_bytes
+    full = make_plan(cost, "full").predicted_peak_bytes
+    budget = full + (none - full) // 4
+    plan = make_plan(cost, "optimal", budget)
+    assert 0 < len(plan.checkpointed) < 48
+    measured = _measure(model, opt, batch, loss_fn, plan.segments)
+    assert abs(plan.predicted_peak_bytes - measured) / measured < 0.10, (plan.predicted_peak_bytes, measured)
+    assert measured <= budget
+    # optimal recomputes no more than any fitting baseline at this budget
+    for policy, k in (("full", None), ("sqrt", None), ("every_k", 2), ("every_k", 4), ("greedy", None)):
+        other = make_plan(cost, policy, budget, every_k=k)
+        if other.fits:
+            assert plan.recompute_flops <= other.recompute_flops, policy
