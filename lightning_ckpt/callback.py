@@ -206,8 +206,7 @@ class ActivationCheckpointing(Callback):
             with _muted_logging(pl_module), trainer.precision_plugin.train_step_context():
                 return pl_module.training_step(b, batch_idx)
 
-        no_sync = getattr(trainer.model, "no_sync", None)
-        with no_sync() if callable(no_sync) else contextlib.nullcontext():
+        with _profiling_context(trainer):
             self.profile = profile_model(pl_module, self._blocks, step_fn, batch, probes, check, names=self.block_names)
         err = self.profile.check_error()
         if err > 0.05:
@@ -215,7 +214,7 @@ class ActivationCheckpointing(Callback):
                 f"lightning-ckpt: bytes predicted from batches {probes} miss the measurement at batch {check} by "
                 f"{100 * err:.1f}%; the model's memory is not linear in the batch size, so the plan may be off."
             )
-        static = static_memory(pl_module, trainer.optimizers)
+        static = _static_memory(trainer, pl_module)
         self.cost = self._cost_at(self.target_batch_size, static)
         return self._make_plan(self.cost, static)
 
@@ -281,6 +280,24 @@ class ActivationCheckpointing(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._loaded = dict(state_dict)
+
+
+def _static_memory(trainer: pl.Trainer, pl_module: pl.LightningModule):
+    """Per-device static memory: the strategy's own model when it has one (ZeRO shards
+    parameters, gradients and optimizer state), else what this process holds."""
+    own = getattr(trainer.strategy, "ckpt_static_memory", None)
+    if callable(own):
+        return own(pl_module, trainer.optimizers)
+    return static_memory(pl_module, trainer.optimizers)
+
+
+def _profiling_context(trainer: pl.Trainer):
+    """The strategy's context for profiling steps (DDP: no gradient sync)."""
+    own = getattr(trainer.strategy, "ckpt_profiling_context", None)
+    if callable(own):
+        return own()
+    no_sync = getattr(trainer.model, "no_sync", None)
+    return no_sync() if callable(no_sync) else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
