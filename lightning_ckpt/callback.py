@@ -10,7 +10,8 @@ is done by the pure core; this module only gathers inputs and applies results.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -20,15 +21,23 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_has
 
 from lightning_ckpt.apply import AppliedPlan, apply_segments
 from lightning_ckpt.blocks import resolve_blocks
+from lightning_ckpt.capacity import largest_batch
 from lightning_ckpt.costs import StepCost
 from lightning_ckpt.plan import Plan, format_bytes
 from lightning_ckpt.planner import COST_METRICS, POLICIES, InfeasibleBudgetError, make_plan
 from lightning_ckpt.profile import Profile
 from lightning_ckpt.profiler import batch_size_of, profile_model
-from lightning_ckpt.static_memory import static_memory
+from lightning_ckpt.static_memory import StaticMemory, static_memory
+from lightning_ckpt.tracker import LiveBytesTracker
 from lightning_ckpt.units import parse_bytes
 
 DEFAULT_CUDA_FRACTION = 0.9
+REPORT_JSON = "lightning_ckpt_plan.json"
+REPORT_PNG = "lightning_ckpt_tradeoff.png"
+
+
+class PlanOnly(Exception):
+    """Raised after planning when the callback runs with `plan_only=True` (the preview command)."""
 
 
 def _positive_int(value: Any, name: str, hint: str) -> int:
@@ -41,7 +50,8 @@ class ActivationCheckpointing(Callback):
     """Checkpoint the blocks of a model so training at `target_batch_size` fits `memory_budget`.
 
     Args:
-        target_batch_size: per-device batch size to train at; the train loader is set to it.
+        target_batch_size: per-device batch size to train at (the train loader is set to it),
+            or ``"max"``: the largest batch whose best plan fits, found from the profile.
         memory_budget: per-device peak allowed for the whole step (parameters, gradients,
             optimizer state, activations), bytes or a string like ``"6GiB"``. Default on
             CUDA: 90% of the device's memory; on CPU it must be given.
@@ -56,13 +66,19 @@ class ActivationCheckpointing(Callback):
         check_batch_size: a third size that checks the line (None to skip).
         guard_batchnorm: keep BatchNorm statistics from being updated by a recompute.
         verbose: print the plan table on rank 0.
+        batch_multiple: with ``target_batch_size="max"``, round the batch down to a multiple of this.
+        strict_resume: when a checkpoint's plan no longer matches the model, raise instead of re-planning.
+        measure_peak: log the measured peak of the first planned step next to the prediction
+            (None: on CUDA only; on CPU tracking every tensor costs time, so ask for it).
+        report: write the plan and profile as JSON and the trade-off plot as PNG to the log dir.
+        plan_only: stop after planning (raises `PlanOnly`), used by ``python -m lightning_ckpt plan``.
     """
 
     POLICIES = POLICIES
 
     def __init__(
         self,
-        target_batch_size: int,
+        target_batch_size: int | Literal["max"],
         memory_budget: int | str | None = None,
         blocks: str | None = None,
         policy: str = "optimal",
@@ -73,11 +89,28 @@ class ActivationCheckpointing(Callback):
         check_batch_size: int | None = 4,
         guard_batchnorm: bool = True,
         verbose: bool = True,
+        batch_multiple: int = 1,
+        strict_resume: bool = False,
+        measure_peak: bool | None = None,
+        report: bool = True,
+        plan_only: bool = False,
     ) -> None:
         super().__init__()
-        self.target_batch_size = _positive_int(
-            target_batch_size, "target_batch_size", "it is the per-device batch size to train at."
-        )
+        if target_batch_size != "max":
+            _positive_int(
+                target_batch_size, "target_batch_size", "it is the per-device batch size to train at, or 'max'."
+            )
+        self.target_batch_size = target_batch_size
+        self.batch_multiple = _positive_int(batch_multiple, "batch_multiple", "the 'max' batch is rounded down to a multiple of it.")
+        if batch_multiple != 1 and target_batch_size != "max":
+            raise ValueError(
+                f"batch_multiple={batch_multiple} only applies to target_batch_size='max', but target_batch_size="
+                f"{target_batch_size!r}; drop batch_multiple or set target_batch_size='max'."
+            )
+        self.strict_resume = strict_resume
+        self.measure_peak = measure_peak
+        self.report = report
+        self.plan_only = plan_only
         self.memory_budget = None if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r} is not a known policy; choose one of {', '.join(POLICIES)}.")
@@ -114,6 +147,11 @@ class ActivationCheckpointing(Callback):
         self._applied: AppliedPlan | None = None
         self._budget_bytes: int | None = None
         self._loaded: dict | None = None
+        self._static: StaticMemory | None = None
+        self._tracker: LiveBytesTracker | None = None
+        self.batch_size: int | None = None if target_batch_size == "max" else int(target_batch_size)
+        self.profiled_steps = 0  # how many times this callback profiled (0 after a resume)
+        self.measured_peak_bytes: int | None = None
 
     # ------------------------------------------------------------------ environment
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -137,35 +175,57 @@ class ActivationCheckpointing(Callback):
 
     # ------------------------------------------------------------------ batch size
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.target_batch_size == "max":
+            self._plan_for_max(trainer, pl_module)
+        self._set_loader_batch_size(trainer, pl_module)
+
+    def _set_loader_batch_size(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not lightning_hasattr(pl_module, self.batch_arg_name):
             return  # checked against the first batch instead
         current = lightning_getattr(pl_module, self.batch_arg_name)
-        if current == self.target_batch_size:
+        if current == self.batch_size:
             return
-        lightning_setattr(pl_module, self.batch_arg_name, self.target_batch_size)
-        rank_zero_info(f"lightning-ckpt: {self.batch_arg_name} {current} -> {self.target_batch_size} (target_batch_size)")
-        loop = trainer.fit_loop
-        loop._combined_loader = None
-        loop.setup_data()
-        val_loop = loop.epoch_loop.val_loop
-        val_loop._combined_loader = None
-        val_loop.setup_data()
+        lightning_setattr(pl_module, self.batch_arg_name, self.batch_size)
+        rank_zero_info(f"lightning-ckpt: {self.batch_arg_name} {current} -> {self.batch_size}")
+        _reload_dataloaders(trainer)
 
+    def _plan_for_max(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Profile one batch of the current loader, then pick the largest batch that fits."""
+        loaded = self._plan_from_checkpoint()
+        if loaded is not None:
+            self.plan, self.batch_size = loaded, loaded.batch_size
+            return
+        loop = trainer.fit_loop
+        loop.setup_data()
+        batch = next(iter(trainer.train_dataloader))
+        batch = trainer.strategy.batch_to_device(trainer.precision_plugin.convert_input(batch))
+        outcome = self._plan_safely(lambda: self._profile_and_plan(trainer, pl_module, batch, 0, find_max=True))
+        self._adopt(trainer, outcome)
+        self.batch_size = self.plan.batch_size
+
+    # ------------------------------------------------------------------ plan and apply
     # ------------------------------------------------------------------ plan and apply
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._applied is not None:
+            self._start_measuring(trainer, pl_module)
             return
         n = batch_size_of(batch)
-        if n != self.target_batch_size:
+        if self.batch_size is not None and n != self.batch_size:
             raise ValueError(
-                f"the first training batch has {n} samples but target_batch_size={self.target_batch_size}; "
+                f"the first training batch has {n} samples but the planned batch size is {self.batch_size}; "
                 f"lightning-ckpt sets the loader's batch size through the attribute {self.batch_arg_name!r} on the "
                 "LightningModule, its hparams or the datamodule, and none was found or the loader ignores it. "
                 f"Expose {self.batch_arg_name!r} (or set batch_arg_name) or build the loader with the target batch size."
             )
-        plan = self._plan_from_checkpoint() or self._profile_and_plan(trainer, pl_module, batch, batch_idx)
-        plan = Plan.from_dict(trainer.strategy.broadcast(plan.to_dict(), src=0))
-        self.plan = plan
+        if self.plan is None:
+            plan = self._plan_from_checkpoint()
+            if plan is None:
+                outcome = self._plan_safely(lambda: self._profile_and_plan(trainer, pl_module, batch, batch_idx))
+            else:
+                outcome = {"plan": plan.to_dict(), "error": None}
+            self._adopt(trainer, outcome)
+        plan = self.plan
+        assert plan is not None
         self._applied = apply_segments(self._blocks, plan.segments, guard_batchnorm=self.guard_batchnorm)
         if self.verbose:
             rank_zero_info(str(plan))
@@ -174,26 +234,114 @@ class ActivationCheckpointing(Callback):
             "ckpt/recompute_share": float(plan.recompute_share),
             "ckpt/checkpointed_blocks": float(len(plan.checkpointed)),
         }
+        self._log(trainer, metrics)
+        if self.report and trainer.is_global_zero:
+            self._write_report(trainer)
+        if self.plan_only:
+            raise PlanOnly(str(plan))
+        self._start_measuring(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        tracker, self._tracker = self._tracker, None
+        device = trainer.strategy.root_device
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
+            self.measured_peak_bytes = tracker.peak_bytes
+        elif self._measuring_cuda:
+            self.measured_peak_bytes = int(torch.cuda.max_memory_allocated(device))
+        else:
+            return
+        self._measuring_cuda = False
+        self._log(trainer, {"ckpt/measured_peak_bytes": float(self.measured_peak_bytes)})
+        rank_zero_info(
+            f"lightning-ckpt: measured peak of the first planned step {format_bytes(self.measured_peak_bytes)}, "
+            f"predicted {format_bytes(self.plan.predicted_peak_bytes)}"
+        )
+
+    _measuring_cuda = False
+
+    def _start_measuring(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Measure the first steady step: optimizer state exists, as the plan assumes."""
+        device = trainer.strategy.root_device
+        wanted = self.measure_peak if self.measure_peak is not None else device.type == "cuda"
+        steady = any(len(o.state) for o in trainer.optimizers) or not trainer.optimizers
+        if not wanted or not steady or self.measured_peak_bytes is not None:
+            return
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            self._measuring_cuda = True
+            return
+        from lightning_ckpt.measure import state_tensors
+
+        tracker = LiveBytesTracker()
+        tracker.__enter__()
+        tracker.adopt(state_tensors(pl_module, None) + [t for o in trainer.optimizers for s in o.state.values() for t in s.values() if isinstance(t, torch.Tensor)])
+        tracker.reset_peak()
+        self._tracker = tracker
+
+    def _log(self, trainer: pl.Trainer, metrics: dict[str, float]) -> None:
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _write_report(self, trainer: pl.Trainer) -> None:
+        from lightning_ckpt.report import plot_tradeoff, write_json
+
+        log_dir = Path(trainer.log_dir or trainer.default_root_dir)
+        self.report_paths = [write_json(log_dir / REPORT_JSON, self.plan, self.profile, self.cost)]
+        if self.cost is not None:
+            self.report_paths.append(plot_tradeoff(log_dir / REPORT_PNG, self.cost, self.plan, metric=self.cost_metric))
+        rank_zero_info(f"lightning-ckpt: plan report written to {', '.join(str(p) for p in self.report_paths)}")
+
+    def _plan_safely(self, fn) -> dict:
+        """Run planning; an error becomes data, so every rank can raise it after the broadcast."""
+        try:
+            return {"plan": fn().to_dict(), "error": None}
+        except (InfeasibleBudgetError, ValueError) as err:
+            return {"plan": None, "error": f"{type(err).__name__}: {err}", "infeasible": isinstance(err, InfeasibleBudgetError)}
+
+    def _adopt(self, trainer: pl.Trainer, outcome: dict) -> None:
+        """Take rank 0's outcome on every rank: the same plan everywhere, or the same error."""
+        outcome = trainer.strategy.broadcast(outcome, src=0)
+        if outcome["error"] is not None:
+            kind = InfeasibleBudgetError if outcome.get("infeasible") else ValueError
+            raise kind(outcome["error"].split(": ", 1)[1])
+        self.plan = Plan.from_dict(outcome["plan"])
 
     def _plan_from_checkpoint(self) -> Plan | None:
         loaded, self._loaded = self._loaded, None
         if not loaded or loaded.get("plan") is None:
             return None
         plan = Plan.from_dict(loaded["plan"])
-        if plan.n_blocks != len(self._blocks) or plan.batch_size != self.target_batch_size:
-            rank_zero_info(
-                f"lightning-ckpt: the checkpoint's plan is for {plan.n_blocks} blocks at batch {plan.batch_size}; "
-                f"this run has {len(self._blocks)} blocks at batch {self.target_batch_size}: planning again."
+        problems = []
+        if loaded.get("signature") != self._signature():
+            problems.append(
+                f"the blocks changed (checkpoint: {len(loaded.get('signature') or [])} blocks, "
+                f"now: {len(self._blocks)} blocks or different parameter shapes)"
             )
+        if self.target_batch_size != "max" and plan.batch_size != self.target_batch_size:
+            problems.append(f"the plan is for batch {plan.batch_size}, target_batch_size is {self.target_batch_size}")
+        if loaded.get("budget_bytes") != self._budget_bytes or loaded.get("policy") != self.policy:
+            problems.append("memory_budget or policy changed")
+        if problems:
+            msg = f"lightning-ckpt: the checkpoint's plan does not match this run: {'; '.join(problems)}."
+            if self.strict_resume:
+                raise ValueError(msg + " strict_resume=True, so stopping; set strict_resume=False to plan again.")
+            rank_zero_info(msg + " Planning again.")
             return None
         if loaded.get("profile") is not None:
             self.profile = Profile.from_dict(loaded["profile"])
+        if loaded.get("cost") is not None:
+            self.cost = StepCost.from_dict(loaded["cost"])
         return plan
 
-    def _profile_and_plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> Plan:
+    def _signature(self) -> list:
+        return [[name, [list(p.shape) for p in blk.parameters()]] for name, blk in zip(self.block_names, self._blocks)]
+
+    def _profile_and_plan(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, find_max: bool = False
+    ) -> Plan:
         n = batch_size_of(batch)
         probes = tuple(min(p, n) for p in self.probe_batch_sizes)
         if len(set(probes)) != 2:
@@ -208,15 +356,32 @@ class ActivationCheckpointing(Callback):
 
         with _profiling_context(trainer):
             self.profile = profile_model(pl_module, self._blocks, step_fn, batch, probes, check, names=self.block_names)
+        self.profiled_steps += 1
         err = self.profile.check_error()
         if err > 0.05:
             rank_zero_info(
                 f"lightning-ckpt: bytes predicted from batches {probes} miss the measurement at batch {check} by "
                 f"{100 * err:.1f}%; the model's memory is not linear in the batch size, so the plan may be off."
             )
-        static = _static_memory(trainer, pl_module)
+        self._static = static = _static_memory(trainer, pl_module)
+        if find_max:
+            return self._max_plan(static)
         self.cost = self._cost_at(self.target_batch_size, static)
         return self._make_plan(self.cost, static)
+
+    def _max_plan(self, static: StaticMemory) -> Plan:
+        best, plan = largest_batch(
+            lambda b: self._cost_at(b, static), self._budget_bytes, self.policy, self.batch_multiple,
+            every_k=self.every_k, metric=self.cost_metric,
+        )
+        if plan is None:
+            raise InfeasibleBudgetError(
+                f"target_batch_size='max': not even batch size {self.batch_multiple} fits memory_budget="
+                f"{format_bytes(self._budget_bytes)} with policy={self.policy!r}; raise memory_budget or lower batch_multiple."
+            )
+        self.cost = self._cost_at(best, static)
+        rank_zero_info(f"lightning-ckpt: target_batch_size='max' -> {best} (multiple of {self.batch_multiple})")
+        return plan
 
     def _cost_at(self, batch_size: int, static) -> StepCost:
         assert self.profile is not None
@@ -249,25 +414,18 @@ class ActivationCheckpointing(Callback):
             )
         return plan
 
-    def _largest_feasible_batch(self, static) -> int:
-        def fits(b: int) -> bool:
-            try:
-                make_plan(self._cost_at(b, static), "optimal", self._budget_bytes, metric=self.cost_metric)
-                return True
-            except InfeasibleBudgetError:
-                return False
-
-        lo, hi = 0, self.target_batch_size  # fits(lo) (vacuous), not fits(hi)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid
-        return lo
+    def _largest_feasible_batch(self, static: StaticMemory) -> int:
+        best, _ = largest_batch(
+            lambda b: self._cost_at(b, static), self._budget_bytes, "optimal", upper=self.target_batch_size,
+            metric=self.cost_metric,
+        )
+        return best
 
     # ------------------------------------------------------------------ teardown and state
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._tracker is not None:
+            self._tracker.__exit__(None, None, None)
+            self._tracker = None
         if self._applied is not None:
             self._applied.remove()
             self._applied = None
@@ -276,10 +434,24 @@ class ActivationCheckpointing(Callback):
         return {
             "plan": None if self.plan is None else self.plan.to_dict(),
             "profile": None if self.profile is None else self.profile.to_dict(),
+            "cost": None if self.cost is None else self.cost.to_dict(),
+            "signature": self._signature(),
+            "budget_bytes": self._budget_bytes,
+            "policy": self.policy,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._loaded = dict(state_dict)
+
+
+def _reload_dataloaders(trainer: pl.Trainer) -> None:
+    """Rebuild the train and val loaders after a batch size change (as BatchSizeFinder does)."""
+    loop = trainer.fit_loop
+    loop._combined_loader = None
+    loop.setup_data()
+    val_loop = loop.epoch_loop.val_loop
+    val_loop._combined_loader = None
+    val_loop.setup_data()
 
 
 def _static_memory(trainer: pl.Trainer, pl_module: pl.LightningModule):

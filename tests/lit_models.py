@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tempfile
+
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -47,13 +49,14 @@ class TokenData(pl.LightningDataModule):
 
 
 def make_trainer(callbacks=(), max_steps: int = 3, **kw) -> pl.Trainer:
+    kw.setdefault("default_root_dir", tempfile.mkdtemp(prefix="lckpt-"))
     return pl.Trainer(
         accelerator="cpu",
         devices=1,
         max_steps=max_steps,
         callbacks=list(callbacks),
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=kw.pop("enable_checkpointing", False),
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,

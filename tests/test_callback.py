@@ -185,3 +185,90 @@ def test_profiling_leaves_metrics_logging_and_rng_untouched():
     without, _, _ = _fit([])
     assert all(torch.equal(a, b) for a, b in zip(with_cb.losses, without.losses))
     assert len(with_cb.losses) == 3  # profiling steps are not counted as training steps
+
+
+# ----------------------------------------------------------------------------- resume, max, report
+
+
+def test_resume_reuses_plan_without_profiling_and_matches_uninterrupted(tmp_path, budget_midpoint):
+    """Step k=2 is checkpointed during a 4-step run; resuming from it repeats steps 3-4 exactly.
+
+    2 batches per epoch, so k falls on an epoch boundary: Lightning restarts a plain
+    DataLoader from its first batch when resuming mid-epoch, checkpointing or not."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def cb():
+        return ActivationCheckpointing(target_batch_size=8, memory_budget=budget_midpoint, verbose=False, report=False)
+
+    pl.seed_everything(0, verbose=False)
+    whole_cb = cb()
+    whole = LitChain(p=0.0, lr=1e-3)
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    make_trainer([whole_cb, saver], max_steps=4, enable_checkpointing=True).fit(whole, datamodule=TokenData(8, n=16))
+    assert whole_cb.plan.checkpointed and whole_cb.profiled_steps == 1
+
+    resumed_cb = cb()
+    resumed = LitChain(p=0.0, lr=1e-3)
+    make_trainer([resumed_cb], max_steps=4).fit(resumed, datamodule=TokenData(8, n=16), ckpt_path=tmp_path / "step=2.ckpt")
+    assert resumed_cb.profiled_steps == 0
+    assert resumed_cb.plan == whole_cb.plan  # the very same plan, measured timings included
+    assert len(resumed.losses) == 2
+    for a, b in zip(resumed.losses, whole.losses[2:]):
+        assert torch.equal(a, b)
+
+
+def test_resume_with_changed_model_replans_or_raises(tmp_path):
+    cb = ActivationCheckpointing(target_batch_size=8, memory_budget="1GiB", policy="full", verbose=False, report=False)
+    t = make_trainer([cb], max_steps=1)
+    t.fit(LitChain(n_blocks=6), datamodule=TokenData(batch_size=8))
+    t.save_checkpoint(tmp_path / "six.ckpt")
+    ckpt = torch.load(tmp_path / "six.ckpt", weights_only=False)
+    state = next(v for k, v in ckpt["callbacks"].items() if "ActivationCheckpointing" in k)
+
+    again = ActivationCheckpointing(target_batch_size=8, memory_budget="1GiB", policy="full", verbose=False, report=False)
+    again.load_state_dict(state)
+    _fit([again], model=LitChain(n_blocks=5), max_steps=1)
+    assert again.profiled_steps == 1 and again.plan.n_blocks == 5
+
+    strict = ActivationCheckpointing(
+        target_batch_size=8, memory_budget="1GiB", policy="full", verbose=False, report=False, strict_resume=True
+    )
+    strict.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"does not match this run: the blocks changed .* strict_resume=True"):
+        _fit([strict], model=LitChain(n_blocks=5), max_steps=1)
+
+
+def test_max_batch_size_from_the_model(budget_midpoint):
+    cb = ActivationCheckpointing(
+        target_batch_size="max", memory_budget=budget_midpoint, batch_multiple=4, verbose=False, report=False
+    )
+    data = TokenData(batch_size=4, n=256)
+    _fit([cb], data=data, max_steps=1)
+    best = cb.batch_size
+    assert best % 4 == 0 and best >= 8 and data.batch_size == best
+    assert cb.plan.fits and cb.plan.batch_size == best
+    from lightning_ckpt.capacity import plan_if_fits
+
+    assert plan_if_fits(cb._cost_at(best + 4, cb._static), cb._budget_bytes) is None
+    with pytest.raises(ValueError, match="batch_multiple=4 only applies to target_batch_size='max'"):
+        ActivationCheckpointing(target_batch_size=8, memory_budget="1GiB", batch_multiple=4)
+
+
+def test_report_and_measured_peak_written(tmp_path, budget_midpoint):
+    from lightning.pytorch.loggers import CSVLogger
+
+    cb = ActivationCheckpointing(target_batch_size=8, memory_budget=budget_midpoint, verbose=False, measure_peak=True)
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=2, callbacks=[cb], logger=CSVLogger(tmp_path), enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )
+    trainer.fit(LitChain(), datamodule=TokenData(batch_size=8))
+    names = {p.name for p in cb.report_paths}
+    assert names == {"lightning_ckpt_plan.json", "lightning_ckpt_tradeoff.png"}
+    assert all(p.exists() and p.stat().st_size > 1000 for p in cb.report_paths)
+    assert cb.measured_peak_bytes is not None
+    assert abs(cb.measured_peak_bytes - cb.plan.predicted_peak_bytes) / cb.measured_peak_bytes < 0.10
+    metrics = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text()
+    for key in ("ckpt/predicted_peak_bytes", "ckpt/recompute_share", "ckpt/measured_peak_bytes"):
+        assert key in metrics

@@ -1,0 +1,108 @@
+"""The plan report: JSON of the plan and its profile, and the memory/recompute trade-off plot.
+
+The trade-off curve is the optimal plan's recompute at every budget between the
+`full` and `none` peaks; the fixed policies are points on the same axes, with
+the chosen plan and the budget marked. matplotlib is imported only here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from lightning_ckpt.costs import StepCost
+from lightning_ckpt.plan import Plan
+from lightning_ckpt.planner import InfeasibleBudgetError, make_plan
+from lightning_ckpt.profile import Profile
+
+
+@dataclass(frozen=True)
+class TradeoffPoint:
+    label: str
+    peak_bytes: int
+    recompute_flops: int
+
+
+def tradeoff_curve(cost: StepCost, points: int = 24, metric: str = "flops") -> list[TradeoffPoint]:
+    """The optimal plan at `points` budgets from the `full` peak to the `none` peak."""
+    lo = min(make_plan(cost, "full").predicted_peak_bytes, make_plan(cost, "none").predicted_peak_bytes)
+    hi = make_plan(cost, "none").predicted_peak_bytes
+    out: list[TradeoffPoint] = []
+    for k in range(points):
+        budget = int(lo + (hi - lo) * k / max(1, points - 1))
+        try:
+            plan = make_plan(cost, "optimal", budget, metric=metric)
+        except InfeasibleBudgetError:
+            continue
+        out.append(TradeoffPoint("optimal", plan.predicted_peak_bytes, plan.recompute_flops))
+    return out
+
+
+def baseline_points(cost: StepCost) -> list[TradeoffPoint]:
+    pts = []
+    for policy, k in (("none", None), ("full", None), ("sqrt", None), ("every_k", 2), ("every_k", 4)):
+        plan = make_plan(cost, policy, None, every_k=k)
+        label = policy if k is None else f"every_{k}"
+        pts.append(TradeoffPoint(label, plan.predicted_peak_bytes, plan.recompute_flops))
+    return pts
+
+
+def write_json(path: str | Path, plan: Plan, profile: Profile | None = None, cost: StepCost | None = None) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {
+        "plan": plan.to_dict(),
+        "profile": None if profile is None else profile.to_dict(),
+        "cost": None if cost is None else cost.to_dict(),
+    }
+    path.write_text(json.dumps(data, indent=2))
+    return path
+
+
+def plot_tradeoff(path: str | Path, cost: StepCost, plan: Plan, points: int = 24, metric: str = "flops") -> Path:
+    """Write the trade-off PNG; returns its path."""
+    import matplotlib.pyplot as plt
+
+    fig = tradeoff_figure(cost, plan, points, metric)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def tradeoff_figure(cost: StepCost, plan: Plan, points: int = 24, metric: str = "flops"):
+    """The trade-off plot as a matplotlib figure (optimal curve, baselines, chosen plan, budget)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError as err:  # pragma: no cover - matplotlib is a dependency
+        raise ImportError("the plan plot needs matplotlib: pip install matplotlib") from err
+
+    mib = 2**20
+    curve = tradeoff_curve(cost, points, metric)
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
+    if curve:
+        ax.step(
+            [p.peak_bytes / mib for p in curve], [p.recompute_flops / 1e9 for p in curve],
+            where="post", color="tab:blue", label="optimal plan at each budget",
+        )
+    for pt in baseline_points(cost):
+        ax.scatter(pt.peak_bytes / mib, pt.recompute_flops / 1e9, marker="s", s=30, zorder=3)
+        ax.annotate(pt.label, (pt.peak_bytes / mib, pt.recompute_flops / 1e9), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.scatter(
+        plan.predicted_peak_bytes / mib, plan.recompute_flops / 1e9, marker="*", s=220, color="tab:red", zorder=4,
+        label=f"chosen: {plan.policy}",
+    )
+    if plan.budget_bytes is not None:
+        ax.axvline(plan.budget_bytes / mib, color="tab:red", linestyle="--", label="memory budget")
+    ax.set_xlabel("predicted peak memory of a step (MiB)")
+    ax.set_ylabel("recomputed forward (GFLOP per step)")
+    ax.set_title(f"lightning-ckpt: memory vs recompute at batch {plan.batch_size}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,39 @@
+"""Plan report: JSON, trade-off plot, and what the callback writes."""
+
+from __future__ import annotations
+
+import json
+
+import matplotlib.image as mpimg
+
+from lightning_ckpt.planner import make_plan
+from lightning_ckpt.report import plot_tradeoff, tradeoff_curve, tradeoff_figure, write_json
+from test_capacity import cost_at
+
+
+def test_curve_is_monotone_and_between_full_and_none():
+    cost = cost_at(8)
+    curve = tradeoff_curve(cost, points=12)
+    assert len(curve) >= 2
+    peaks = [p.peak_bytes for p in curve]
+    recompute = [p.recompute_flops for p in curve]
+    # more memory never costs more recompute
+    order = sorted(range(len(curve)), key=lambda i: peaks[i])
+    assert all(recompute[order[i]] >= recompute[order[i + 1]] for i in range(len(order) - 1))
+    assert max(peaks) <= make_plan(cost, "none").predicted_peak_bytes
+
+
+def test_json_and_png_written_and_plot_marks_budget_and_choice(tmp_path):
+    cost = cost_at(8)
+    budget = (make_plan(cost, "none").predicted_peak_bytes + make_plan(cost, "full").predicted_peak_bytes) // 2
+    plan = make_plan(cost, "optimal", budget)
+    js = write_json(tmp_path / "plan.json", plan, cost=cost)
+    data = json.loads(js.read_text())
+    assert data["plan"]["segments"] == [list(s) for s in plan.segments]
+    png = plot_tradeoff(tmp_path / "plot.png", cost, plan)
+    img = mpimg.imread(png)
+    assert img.shape[0] >= 300 and img.shape[1] >= 500
+    fig = tradeoff_figure(cost, plan)
+    labels = fig.axes[0].get_legend_handles_labels()[1]
+    assert "memory budget" in labels and "chosen: optimal" in labels
+    assert any(line.get_xdata()[0] == budget / 2**20 for line in fig.axes[0].lines if line.get_linestyle() == "--")
