@@ -227,7 +227,13 @@ class ActivationCheckpointing(Callback):
         plan = self.plan
         assert plan is not None
         self._applied = apply_segments(self._blocks, plan.segments, guard_batchnorm=self.guard_batchnorm)
-        if self.verbose:
+        if not plan.segments:
+            rank_zero_info(
+                f"lightning-ckpt: nothing to checkpoint: batch {plan.batch_size} is predicted to peak at "
+                f"{format_bytes(plan.predicted_peak_bytes)} without checkpointing, within the budget of "
+                f"{format_bytes(plan.budget_bytes or 0)}. Training runs unchanged."
+            )
+        elif self.verbose:
             rank_zero_info(str(plan))
         metrics = {
             "ckpt/predicted_peak_bytes": float(plan.predicted_peak_bytes),

@@ -148,9 +148,19 @@ def test_infeasible_target_names_largest_batch():
         ({"target_batch_size": 8, "memory_budget": "1GiB", "every_k": 2}, r"every_k=2 only applies to policy='every_k'"),
         ({"target_batch_size": 8, "memory_budget": "1GiB", "blocks": ""}, r"blocks='' must be a dotted path"),
         ({"target_batch_size": 8, "memory_budget": "1GiB", "probe_batch_sizes": (2, 2)}, r"two different positive integers"),
+        ({"target_batch_size": 8, "memory_budget": "1GiB", "probe_batch_sizes": (0, 2)}, r"probe_batch_sizes=0 must be a positive"),
+        ({"target_batch_size": "maximum"}, r"target_batch_size='maximum' must be a positive integer; .* or 'max'"),
+        ({"target_batch_size": "max", "batch_multiple": 0}, r"batch_multiple=0 must be a positive integer"),
+        ({"target_batch_size": 8, "batch_multiple": 8}, r"batch_multiple=8 only applies to target_batch_size='max'"),
+        ({"target_batch_size": 8, "cost_metric": "joules"}, r"cost_metric='joules' is not known"),
+        ({"target_batch_size": 8, "check_batch_size": 0}, r"check_batch_size=0 must be a positive integer"),
+        ({"target_batch_size": 8, "policy": "every_k", "every_k": 0}, r"every_k=0 must be a positive integer"),
+        ({"target_batch_size": 8, "memory_budget": True}, r"memory_budget=True is a bool"),
+        ({"target_batch_size": 8, "memory_budget": [1]}, r"memory_budget=\[1\] has type list"),
     ],
 )
 def test_bad_arguments(kwargs, match):
+    """The table above: each bad argument and the error it must get."""
     with pytest.raises(ValueError, match=match):
         ActivationCheckpointing(**kwargs)
 
@@ -272,3 +282,13 @@ def test_report_and_measured_peak_written(tmp_path, budget_midpoint):
     metrics = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text()
     for key in ("ckpt/predicted_peak_bytes", "ckpt/recompute_share", "ckpt/measured_peak_bytes"):
         assert key in metrics
+
+
+def test_noop_with_info_line_when_nothing_needs_checkpointing(caplog):
+    import logging
+
+    cb = ActivationCheckpointing(target_batch_size=8, memory_budget="1GiB", report=False)
+    with caplog.at_level(logging.INFO):
+        model, _, _ = _fit([cb], max_steps=1)
+    assert cb.plan.segments == ()
+    assert "nothing to checkpoint" in caplog.text and "Training runs unchanged" in caplog.text

@@ -225,3 +225,40 @@ def test_plan_table_and_dict_roundtrip():
     again = Plan.from_dict(plan.to_dict())
     assert again == plan
     assert plan.to_dict()["checkpointed"] == [0, 1, 2, 3, 4, 5]
+
+
+# ----------------------------------------------------------------------------- fuzzing
+
+block_costs = st.builds(
+    lambda saved, x, saves_input, out, ft, bt, g, fl, chains: BlockCost(
+        "b", saved_bytes=saved + (x if saves_input else 0), input_bytes=x, input_saved_bytes=x if saves_input else 0,
+        output_bytes=out, fwd_transient_bytes=ft, bwd_transient_bytes=bt, grad_bytes=g, fwd_flops=fl,
+        tail_flops=fl // 3, chains_from_previous=chains,
+    ),
+    st.integers(0, 10**6), st.integers(0, 10**5), st.booleans(), st.integers(0, 10**5), st.integers(0, 10**5),
+    st.integers(0, 10**5), st.integers(0, 10**4), st.integers(0, 10**6), st.booleans(),
+)
+step_costs = st.builds(
+    lambda blocks, static, og, pre, post, live: StepCost(
+        blocks=tuple(blocks), batch_size=1, static_bytes=static, outside_grad_bytes=og, pre_saved_bytes=pre,
+        post_saved_bytes=post, grads_live_in_forward=live,
+    ),
+    st.lists(block_costs, min_size=0, max_size=12), st.integers(0, 10**6), st.integers(0, 10**4),
+    st.integers(0, 10**4), st.integers(0, 10**5), st.booleans(),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(cost=step_costs, budget=st.integers(0, 2 * 10**7), policy=st.sampled_from(["optimal", "greedy", "every_k"]))
+def test_fuzz_planner_never_over_budget_never_crashes(cost, budget, policy):
+    try:
+        plan = make_plan(cost, policy, budget)
+    except InfeasibleBudgetError as err:
+        assert "Lower target_batch_size or raise memory_budget" in str(err)
+        if policy == "optimal":  # then nothing else fits either
+            assert make_plan(cost, "full", budget).predicted_peak_bytes > budget
+            assert make_plan(cost, "none").predicted_peak_bytes > budget
+        return
+    assert plan.fits and plan.predicted_peak_bytes <= budget
+    assert plan.predicted_peak_bytes == predict_peak(cost, plan.segments).peak_bytes
+    assert all(cost.blocks[i].chains_from_previous for a, b in plan.segments for i in range(a + 1, b + 1))
