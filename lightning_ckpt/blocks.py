@@ -1,11 +1,17 @@
 """Find the ordered chain of blocks to plan over.
 
-`blocks` is a dotted path to a container of blocks (`"encoder.layers"`), or None to
-pick the largest container whose children all share one class (ties: the one
-with more parameters). Unknown paths get an error that lists the candidates.
+`blocks` is a dotted path to a container of blocks (`"encoder.layers"`); or a list
+of dotted paths and glob patterns (`["stem", "layer1.*", "head"]`, where `*` stays
+within one path component) naming a chain of modules of any classes, in call
+order; or None to pick the largest container whose children all share one class
+(ties: the one with more parameters). Unknown paths get an error that lists the
+candidates.
 """
 
 from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
 
 from torch import nn
 
@@ -26,8 +32,48 @@ def _param_count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def resolve_blocks(model: nn.Module, blocks: str | None) -> tuple[str, list[str], list[nn.Module]]:
+def _match(pattern: str, name: str) -> bool:
+    """Glob match component by component: `layer1.*` matches `layer1.0`, not `layer1.0.conv`."""
+    pp, nn_ = pattern.split("."), name.split(".")
+    return len(pp) == len(nn_) and all(fnmatch.fnmatchcase(n, p) for p, n in zip(pp, nn_))
+
+
+def resolve_chain(model: nn.Module, patterns: Sequence[str]) -> tuple[list[str], list[nn.Module]]:
+    """Modules named by dotted paths / glob patterns, in the order given."""
+    named = [(n, m) for n, m in model.named_modules() if n]
+    names: list[str] = []
+    for pat in patterns:
+        if not isinstance(pat, str) or not pat.strip():
+            raise ValueError(f"blocks entry {pat!r} must be a non-empty dotted path or glob pattern such as 'layer1.*'.")
+        hits = [n for n, _ in named if _match(pat.strip(), n)]
+        if not hits:
+            listing = ", ".join(repr(n) for n, _ in named if "." not in n) or "none"
+            raise ValueError(
+                f"blocks entry {pat!r} matches no submodule of {type(model).__name__}; its top-level modules are "
+                f"{listing}. Use dotted paths such as 'layer1.0' or patterns such as 'layer1.*'."
+            )
+        for n in hits:
+            if n in names:
+                raise ValueError(f"module {n!r} is named twice in blocks (by {pat!r}); list each block once.")
+            names.append(n)
+    for a in names:
+        for b in names:
+            if b.startswith(a + "."):
+                raise ValueError(
+                    f"blocks names both {a!r} and its submodule {b!r}; blocks must not nest. Keep one of them."
+                )
+    lookup = dict(named)
+    return names, [lookup[n] for n in names]
+
+
+def resolve_blocks(model: nn.Module, blocks: str | Sequence[str] | None) -> tuple[str, list[str], list[nn.Module]]:
     """-> (container path, block names, block modules) in call order."""
+    if blocks is not None and not isinstance(blocks, str):
+        patterns = list(blocks)
+        if not patterns:
+            raise ValueError("blocks=[] names no modules; give dotted paths or glob patterns, or None to auto-detect.")
+        names, modules = resolve_chain(model, patterns)
+        return "", names, modules
     candidates = candidate_containers(model)
     listing = ", ".join(f"{p or '<root>'!r} ({n} blocks)" for p, n in candidates) or "none"
     if blocks is None:

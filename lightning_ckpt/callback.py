@@ -55,8 +55,10 @@ class ActivationCheckpointing(Callback):
         memory_budget: per-device peak allowed for the whole step (parameters, gradients,
             optimizer state, activations), bytes or a string like ``"6GiB"``. Default on
             CUDA: 90% of the device's memory; on CPU it must be given.
-        blocks: dotted path to the ordered container of blocks (``"encoder.layers"``), or
-            None to pick the largest container of same-class modules.
+        blocks: dotted path to the ordered container of blocks (``"encoder.layers"``); a list of
+            dotted paths / glob patterns naming a chain of modules in call order
+            (``["stem", "layer1.*", "layer2.*"]``); or None to pick the largest container of
+            same-class modules.
         policy: ``optimal`` (least recompute that fits), ``greedy``, ``sqrt``, ``every_k``,
             ``full`` or ``none``.
         every_k: blocks per segment for ``policy="every_k"``; None picks the smallest k that fits.
@@ -80,7 +82,7 @@ class ActivationCheckpointing(Callback):
         self,
         target_batch_size: int | Literal["max"],
         memory_budget: int | str | None = None,
-        blocks: str | None = None,
+        blocks: str | list[str] | None = None,
         policy: str = "optimal",
         every_k: int | None = None,
         cost_metric: str = "flops",
@@ -115,7 +117,13 @@ class ActivationCheckpointing(Callback):
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r} is not a known policy; choose one of {', '.join(POLICIES)}.")
         self.policy = policy
-        if blocks is not None and (not isinstance(blocks, str) or not blocks.strip()):
+        if isinstance(blocks, (list, tuple)):
+            blocks = list(blocks)
+            if not blocks or not all(isinstance(b, str) and b.strip() for b in blocks):
+                raise ValueError(
+                    f"blocks={blocks!r} must list non-empty dotted paths or glob patterns, e.g. ['stem', 'layer1.*']."
+                )
+        elif blocks is not None and (not isinstance(blocks, str) or not blocks.strip()):
             raise ValueError(f"blocks={blocks!r} must be a dotted path such as 'encoder.layers', or None to auto-detect.")
         self.blocks = blocks
         if every_k is not None:

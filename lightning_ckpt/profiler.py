@@ -131,8 +131,12 @@ def _metric_state(m: nn.Module) -> dict:
 class _Probe:
     """Hooks and counters for one measured step."""
 
-    def __init__(self, model: nn.Module, blocks: Sequence[nn.Module], tracker: LiveBytesTracker, flops: FlopCounterMode):
+    def __init__(
+        self, model: nn.Module, blocks: Sequence[nn.Module], tracker: LiveBytesTracker, flops: FlopCounterMode, names: Sequence[str]
+    ):
         self.blocks = list(blocks)
+        self.names = list(names)
+        self.next_block = 0
         self.n = len(self.blocks)
         self.tracker = tracker
         self.flops = flops
@@ -164,6 +168,14 @@ class _Probe:
     # forward
     def pre_hook(self, module, args, kwargs):
         i = self._index(module)
+        if i != self.next_block:
+            names = self.names
+            raise ValueError(
+                f"block {names[i]!r} ran when block {names[self.next_block] if self.next_block < self.n else 'none'!r} "
+                "was expected: the blocks must be listed in the order the forward calls them, each once per step. "
+                "Reorder blocks, or name a container whose children run in order."
+            )
+        self.next_block = i + 1
         first = _first_tensor(args) if args else _first_tensor(kwargs)
         if i > 0:
             self.chains[i] = bool(args) and args[0] is self.prev_output
@@ -255,7 +267,7 @@ def probe_step(
     with preserved_state(model):
         tracker = LiveBytesTracker()
         flops = FlopCounterMode(display=False)
-        probe = _Probe(model, blocks, tracker, flops)
+        probe = _Probe(model, blocks, tracker, flops, names)
         handles = []
         for b in blocks:
             handles.append(b.register_forward_pre_hook(probe.pre_hook, with_kwargs=True))
@@ -268,6 +280,11 @@ def probe_step(
                 loss.backward()
                 probe._close_window()
                 del loss
+            if probe.next_block != probe.n:
+                raise ValueError(
+                    f"only {probe.next_block} of the {probe.n} blocks ran in the step (the first missing is "
+                    f"{names[probe.next_block]!r}); every listed block must run once per training step."
+                )
         finally:
             for h in handles:
                 h.remove()
