@@ -14,7 +14,8 @@ import argparse
 import sys
 
 
-def _preview(config: list[str], overrides: list[str]) -> int:
+def preview(config: list[str], overrides: list[str]):
+    """Build the run from the config, plan on its first batch, stop: -> (callback, trainer) or None."""
     from lightning.pytorch import LightningDataModule, LightningModule
     from lightning.pytorch.cli import LightningCLI
 
@@ -32,18 +33,26 @@ def _preview(config: list[str], overrides: list[str]) -> int:
     )
     callbacks = [cb for cb in cli.trainer.callbacks if isinstance(cb, ActivationCheckpointing)]
     if not callbacks:
-        print(
-            f"error: the config {config} has no lightning_ckpt.ActivationCheckpointing under trainer.callbacks, "
-            "so there is nothing to plan. Add it (see configs/encoder48.yaml).",
-            file=sys.stderr,
-        )
-        return 2
+        return None
     cb = callbacks[0]
     cb.plan_only, cb.verbose, cb.report = True, False, True
     try:
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     except PlanOnly:
         pass
+    return cb, cli.trainer
+
+
+def _preview(config: list[str], overrides: list[str]) -> int:
+    found = preview(config, overrides)
+    if found is None:
+        print(
+            f"error: the config {config} has no lightning_ckpt.ActivationCheckpointing under trainer.callbacks, "
+            "so there is nothing to plan. Add it (see configs/encoder48.yaml).",
+            file=sys.stderr,
+        )
+        return 2
+    cb, _ = found
     if cb.plan is None:  # pragma: no cover - fit ended before the first batch
         print("error: training ended before the first batch, so no plan was made.", file=sys.stderr)
         return 1

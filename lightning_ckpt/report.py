@@ -24,7 +24,7 @@ class TradeoffPoint:
     recompute_flops: int
 
 
-def tradeoff_curve(cost: StepCost, points: int = 24, metric: str = "flops") -> list[TradeoffPoint]:
+def tradeoff_curve(cost: StepCost, points: int = 16, metric: str = "flops") -> list[TradeoffPoint]:
     """The optimal plan at `points` budgets from the `full` peak to the `none` peak."""
     lo = min(make_plan(cost, "full").predicted_peak_bytes, make_plan(cost, "none").predicted_peak_bytes)
     hi = make_plan(cost, "none").predicted_peak_bytes
@@ -60,7 +60,7 @@ def write_json(path: str | Path, plan: Plan, profile: Profile | None = None, cos
     return path
 
 
-def plot_tradeoff(path: str | Path, cost: StepCost, plan: Plan, points: int = 24, metric: str = "flops") -> Path:
+def plot_tradeoff(path: str | Path, cost: StepCost, plan: Plan, points: int = 16, metric: str = "flops") -> Path:
     """Write the trade-off PNG; returns its path."""
     import matplotlib.pyplot as plt
 
@@ -72,7 +72,7 @@ def plot_tradeoff(path: str | Path, cost: StepCost, plan: Plan, points: int = 24
     return path
 
 
-def tradeoff_figure(cost: StepCost, plan: Plan, points: int = 24, metric: str = "flops"):
+def tradeoff_figure(cost: StepCost, plan: Plan, points: int = 16, metric: str = "flops"):
     """The trade-off plot as a matplotlib figure (optimal curve, baselines, chosen plan, budget)."""
     try:
         import matplotlib
@@ -90,9 +90,13 @@ def tradeoff_figure(cost: StepCost, plan: Plan, points: int = 24, metric: str = 
             [p.peak_bytes / mib for p in curve], [p.recompute_flops / 1e9 for p in curve],
             where="post", color="tab:blue", label="optimal plan at each budget",
         )
-    for pt in baseline_points(cost):
+    for i, pt in enumerate(baseline_points(cost)):
         ax.scatter(pt.peak_bytes / mib, pt.recompute_flops / 1e9, marker="s", s=30, zorder=3)
-        ax.annotate(pt.label, (pt.peak_bytes / mib, pt.recompute_flops / 1e9), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        # baselines that all recompute everything sit on one line: stagger their labels
+        ax.annotate(
+            pt.label, (pt.peak_bytes / mib, pt.recompute_flops / 1e9), textcoords="offset points",
+            xytext=(4, -12 - 10 * i), fontsize=8,
+        )
     ax.scatter(
         plan.predicted_peak_bytes / mib, plan.recompute_flops / 1e9, marker="*", s=220, color="tab:red", zorder=4,
         label=f"chosen: {plan.policy}",

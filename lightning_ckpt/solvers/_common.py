@@ -1,9 +1,8 @@
 """Input checks and exact-arithmetic helpers shared by the knapsack solvers.
 
-Every solver takes ``(memory, runtimes, max_memory)`` as in PyTorch's
-``torch/_functorch/_activation_checkpointing/knapsack.py``. This module turns them
-into float64 arrays (or says clearly why it cannot), splits off the items whose
-fate is fixed by the problem statement, and decides feasibility exactly.
+Turns ``(memory, runtimes, max_memory)`` into float64 arrays (or says why it cannot),
+splits off items whose fate the problem statement fixes, and decides exactly whether
+a selection fits the budget.
 """
 
 from __future__ import annotations
@@ -74,7 +73,7 @@ def _check_entries(arr: np.ndarray, name: str, solver: str, allow_inf: bool) -> 
         i = int(np.flatnonzero(bad)[0])
         allowed = "finite and >= 0" if not allow_inf else ">= 0 (not NaN)"
         raise ValueError(
-            f"{solver}: {name}[{i}] = {arr[i]!r}, but every entry must be {allowed}; "
+            f"{solver}: {name}[{i}] = {float(arr[i])!r}, but every entry must be {allowed}; "
             f"a knapsack cannot weigh a negative, NaN or infinite {name} against the "
             "others. Fix the cost model upstream (clamp estimates at 0)."
         )
