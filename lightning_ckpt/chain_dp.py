@@ -1,0 +1,531 @@
+"""Exact, fast chain planner: the `optimal` policy for the memory model of `memory_model`.
+
+The problem
+-----------
+A plan walks the chain left to right as a sequence of *elements*: "keep block p" or
+"checkpoint segment [p, b]". Every element e has `need_e` (its own peak on top of
+what earlier blocks leave resident), `res_e` (what it leaves resident for later
+blocks) and `cost_e` (its recompute). With R_e the bytes left resident by the
+elements before e, `predict_peak` is exactly
+
+    peak = max(opt_need, R_n + end_need, max_e (R_e + need_e))
+
+and `optimal` asks for the least total cost with peak <= budget, ties broken by
+the lower peak.
+
+The algorithm (backward Pareto DP over suffixes)
+------------------------------------------------
+[recurrence] Read a plan from the back. The suffix starting at block p has a
+*demand* D: the peak it causes on top of a prefix that leaves R resident is R + D.
+For the last position D = end_need, and an element e from p to q prepends as
+
+    D_p = max(need_e, res_e + D_q),   C_p = cost_e + C_q.
+
+D_p is nondecreasing in D_q and C_p in C_q, so a suffix (D, C) that another suffix
+from the same position beats or equals on both coordinates can be dropped: the
+Pareto frontier F_p of (D, C) is exact. At position 0 the prefix is empty, so a
+whole plan's peak is max(opt_need, D_0): the frontier F_0 holds, for every cost,
+the lowest peak, and the answer (least cost with peak <= budget, then the lowest
+peak) is read off it directly. No bisection over budgets is needed. States with
+D > budget are dropped at once (D only grows towards the front).
+
+Speed: a pool of segment continuations instead of every (start, end) pair
+--------------------------------------------------------------------------
+A segment [p, q-1] continued by a suffix state s of F_q yields
+
+    (max(need(p, q-1), x_p + D_s),  K_q + C_s - P_p)
+
+with x_p the input bytes of block p (the segment's resident boundary), P the
+prefix sums of block recompute and K_q = P_q - tail_{q-1}. Apart from need(p, q-1)
+and the shifts x_p, P_p (common to all candidates of p), an option (q, D_s,
+Ct = K_q + C_s) does not depend on p. The solver keeps a *pool* of these options
+for all q > p still reachable from p and removes, for good, every option that can
+never again be on a frontier:
+
+- [dominance] when F_{p+1} joins the pool (as q' = p + 1, the shortest segment),
+  an older option (q, D, Ct) with q > q' is dropped if a new one has D' <= D,
+  Ct' <= Ct and need(r, q'-1) <= need(r, q-1) for every start r < q' still to
+  come. The last condition holds whenever v_{q'-1} <= v_{q-1} with
+  v_b = grads_after_b + W_{b+1} + output_b (W: prefix sums of saved bytes), because
+  the forward part of need is a running maximum over the segment and the
+  backward part differs between the two ends only through v and the (shared,
+  nondecreasing) forward scratch maximum. Then for every later start r the new
+  option gives max(need(r, q'-1), x_r + D') <= max(need(r, q-1), x_r + D) at a cost
+  no higher, and it is available for exactly the same starts (r < q').
+  Where v falls (a block's parameter gradients outweigh its activations) the
+  option is simply kept.
+- [expiry] an option is dropped when no later start can use it: the segment would
+  cross a block that does not chain from its predecessor, exceed
+  `max_segment_blocks`, or already rebuild more than the budget.
+
+Each start p then evaluates need(p, .) for its reachable ends (running maxima,
+computed for 64 starts at a time) and turns the whole pool into candidates in one
+numpy pass, followed by a vectorised Pareto prune (sort by D, keep strict prefix
+minima of C). Work per position is O(pool + frontier) instead of
+O(segment lengths x frontier).
+
+Bounding (exact)
+----------------
+[bound] A suffix state (D, C) at p can only finish through a prefix 0..p-1 that
+leaves at most budget - D resident. A checkpointed block frees at most its saved
+bytes and costs at least its recompute less its skipped tail, so the fractional
+knapsack "free W_p - (budget - D) bytes from blocks 0..p-1 at least cost" is a
+lower bound L on the prefix's recompute (`_PrefixBound`). Given an upper bound U
+(the cost of any feasible plan), a state with C + L > U, and a pool option whose
+bound for every later start exceeds U, can be dropped: every plan costing <= U,
+so every optimal plan and its lowest-peak tie, survives. U comes from a *beam*
+run of the same DP that keeps only the `_BEAM` states of least C + L per position
+(a feasible plan, usually optimal or within a fraction of a percent). Short chains
+skip the beam and run uncapped.
+
+Cost
+----
+Uniform and repeated-profile chains (ties everywhere) keep frontiers of about
+n/2 states and plan 1,000 blocks in about 0.3 s of CPU. Chains whose blocks
+differ slightly in both bytes and recompute (e.g. measured `ms` costs, jittered
+profiles) behave like strongly correlated knapsacks: many plans are within one
+block's cost of the optimum, the exact frontier grows roughly quadratically with
+n, and 1,000 such blocks take tens of seconds (benchmarks/chain_planner.py).
+
+Exactness is on the model's integers: bytes are int64, recompute in `flops` is
+int64 (float64 only if the sum of all block FLOPs exceeds 2**62). In `ms` costs
+are float64 prefix sums, so two plans whose costs differ only by rounding may be
+ordered either way.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from lightning_ckpt.costs import StepCost
+from lightning_ckpt.memory_model import block_recompute, skipped_tail
+
+Segments = list[tuple[int, int]]
+
+_INT_LIMIT = 2**62
+
+
+@dataclass(frozen=True)
+class ChainSolution:
+    """The optimum: least recompute `cost`, its (lowest) predicted `peak_bytes`, the plan."""
+
+    cost: float
+    peak_bytes: int
+    segments: Segments
+
+
+@dataclass
+class _Arrays:
+    n: int
+    static: int  # static_bytes + pre_saved_bytes
+    fwd_grads: int
+    outside_grad: int
+    end_need: int
+    opt_need: int
+    saved: np.ndarray
+    x: np.ndarray
+    xs: np.ndarray
+    ft: np.ndarray
+    W: np.ndarray  # prefix sums of saved (n + 1)
+    P: np.ndarray  # prefix sums of block recompute (n + 1)
+    K: np.ndarray  # K[q] = P[q] - tail[q - 1] (n + 1, K[0] unused)
+    f: np.ndarray  # saved + out + ft (a block's forward on top of what came before)
+    inner: np.ndarray  # G + W[b+1] + out + bt (backward of a non-last segment block, less the base)
+    v: np.ndarray  # G + W[b+1] + out
+    bt: np.ndarray
+    keep_need: np.ndarray
+    next_break: np.ndarray  # first block k > p that does not chain from k - 1 (n if none)
+    rc: np.ndarray  # block recompute
+    tails: np.ndarray  # skipped tail when the block ends a segment
+
+
+def _arrays(cost: StepCost, metric: str) -> _Arrays:
+    blocks = cost.blocks
+    n = len(blocks)
+    i64 = np.int64
+
+    def col(name):
+        return np.array([getattr(b, name) for b in blocks], dtype=i64) if n else np.zeros(0, dtype=i64)
+
+    saved, x, xs, out = col("saved_bytes"), col("input_bytes"), col("input_saved_bytes"), col("output_bytes")
+    ft, bt, grad = col("fwd_transient_bytes"), col("bwd_transient_bytes"), col("grad_bytes")
+    G = np.zeros(n, dtype=i64)
+    if n:
+        # grads_after[i] = outside_grad + sum(grad[i+1:])
+        G[:] = cost.outside_grad_bytes + (np.cumsum(grad[::-1])[::-1] - grad)
+    W = np.zeros(n + 1, dtype=i64)
+    np.cumsum(saved, out=W[1:])
+    rc = [block_recompute(b, metric) for b in blocks]
+    tails = [skipped_tail(b, metric) for b in blocks]
+    integral = metric == "flops" and all(isinstance(c, int) for c in rc + tails) and sum(rc) + sum(tails) < _INT_LIMIT
+    cdt = np.int64 if integral else np.float64
+    P = np.zeros(n + 1, dtype=cdt)
+    np.cumsum(np.array(rc, dtype=cdt), out=P[1:])
+    K = np.zeros(n + 1, dtype=cdt)
+    K[1:] = P[1:] - np.array(tails, dtype=cdt)
+    fwd_grads = cost.grad_bytes if cost.grads_live_in_forward else 0
+    static = cost.static_bytes + cost.pre_saved_bytes
+    keep_need = static + saved + out + np.maximum(fwd_grads + ft, G + bt)
+    chains = np.array([b.chains_from_previous for b in blocks], dtype=bool)
+    next_break = np.full(n, n, dtype=np.int64)
+    nb = n
+    for k in range(n - 1, -1, -1):
+        next_break[k] = nb
+        if not chains[k]:
+            nb = k
+    v = G + W[1:] + out
+    return _Arrays(
+        rc=np.array(rc, dtype=cdt),
+        tails=np.array(tails, dtype=cdt),
+        n=n,
+        static=static,
+        fwd_grads=fwd_grads,
+        outside_grad=cost.outside_grad_bytes,
+        end_need=static + cost.post_saved_bytes + max(fwd_grads, cost.outside_grad_bytes),
+        opt_need=cost.static_bytes + cost.grad_bytes + cost.optimizer_transient_bytes,
+        saved=saved,
+        x=x,
+        xs=xs,
+        ft=ft,
+        W=W,
+        P=P,
+        K=K,
+        f=saved + out + ft,
+        inner=v + bt,
+        v=v,
+        bt=bt,
+        keep_need=keep_need,
+        next_break=next_break,
+    )
+
+
+class _PrefixBound:
+    """Lower bounds on the recompute of a prefix that must leave at most h bytes resident.
+
+    [constraint] the blocks before p leave W_p bytes resident when all are kept; a
+    checkpointed block i leaves 0 or its input instead of saved_i, so it frees at most
+    saved_i, and it costs at least rc_i - tail_i. The fractional knapsack over the
+    blocks before p (free at least W_p - h bytes at the least cost, items divisible)
+    is a relaxation of every prefix plan, hence a lower bound: a convex piecewise
+    linear function of the bytes to free, evaluated with `np.interp`. It is +inf when
+    even checkpointing every block cannot free enough. Values are float64 and
+    compared with a margin (`slack`).
+    """
+
+    def __init__(self, a: _Arrays):
+        w = a.saved.astype(np.float64)
+        c = a.rc.astype(np.float64) - a.tails.astype(np.float64)
+        self.W = a.W.astype(np.float64)
+        neg = c < 0  # never with non-negative FLOPs and tails; kept for exactness
+        self.neg_w = np.concatenate(([0.0], np.cumsum(np.where(neg, w, 0.0))))
+        self.neg_c = np.concatenate(([0.0], np.cumsum(np.where(neg, c, 0.0))))
+        useful = ~neg & (w > 0)
+        ratio = np.where(useful, c / np.where(w > 0, w, 1.0), np.inf)
+        order = np.argsort(ratio, kind="stable")
+        self.order = order[useful[order]]
+        self.w, self.c = w, c
+        self.slack = 1e-9 * (1.0 + float(np.abs(c).sum()))
+        self._cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _table(self, p: int) -> tuple[np.ndarray, np.ndarray]:
+        tab = self._cache.get(p)
+        if tab is None:
+            if len(self._cache) > 2:  # the DP walks p downwards and asks for p and p + 1
+                self._cache = {k: t for k, t in self._cache.items() if k <= p + 1}
+            sel = self.order[self.order < p]
+            xs = np.empty(sel.shape[0] + 1)
+            ys = np.empty(sel.shape[0] + 1)
+            xs[0] = ys[0] = 0.0
+            np.cumsum(self.w[sel], out=xs[1:])
+            np.cumsum(self.c[sel], out=ys[1:])
+            tab = self._cache[p] = (xs, ys)
+        return tab
+
+    def bound(self, p: int, h: np.ndarray) -> np.ndarray:
+        """Lower bound on the recompute of blocks 0..p-1 leaving at most `h` resident."""
+        xs, ys = self._table(p)
+        r = (self.W[p] - self.neg_w[p]) - h
+        return np.interp(r, xs, ys, left=0.0, right=np.inf) + self.neg_c[p]
+
+    def total(self, h: int) -> float:
+        n = self.W.shape[0] - 1
+        return float(self.bound(n, np.array([float(h)]))[0])
+
+
+def solve_chain(
+    cost: StepCost,
+    budget_bytes: int,
+    metric: str = "flops",
+    max_segment_blocks: int | None = None,
+    stats: dict | None = None,
+    beam: int | None = None,
+) -> ChainSolution | None:
+    """Least recompute within `budget_bytes`, ties broken by the lowest peak; None if nothing fits.
+
+    [bound] First a beam run (the same DP keeping only the few most promising states
+    per position) finds a good feasible plan; its cost is an upper bound U. Then the
+    exact run drops every partial plan that cannot finish at a cost <= U (its cost
+    so far plus the prefix lower bound exceeds U). Every plan costing <= U, hence
+    every optimal plan, survives all pruning, so the exact run's answer is the
+    optimum with the lowest peak. Without a beam plan the exact run is uncapped.
+    """
+    a = _arrays(cost, metric)
+    budget = int(budget_bytes)
+    if a.opt_need > budget or a.end_need > budget:
+        return None
+    max_len = a.n if max_segment_blocks is None else max(1, int(max_segment_blocks))
+    lb = _PrefixBound(a)
+    if lb.total(budget - a.end_need) == math.inf:
+        return None
+    if stats is not None:
+        stats.clear()
+    cap = math.inf
+    if beam is None:
+        beam = _BEAM if a.n >= _BEAM_FROM else 0
+    if beam:
+        guess = _solve(a, budget, max_len, math.inf, lb, stats, beam=beam)
+        if guess is not None:
+            cap = guess.cost
+            if stats is not None:
+                stats["beam_cost"] = guess.cost
+    found = _solve(a, budget, max_len, cap, lb, stats)
+    if found is None and cap != math.inf:  # cannot happen (the beam plan survives); stay exact anyway
+        found = _solve(a, budget, max_len, math.inf, lb, stats)
+    return found
+
+
+_BEAM = 16  # states kept per position by the bounding run
+_BEAM_FROM = 64  # shorter chains are solved in one uncapped run (`beam=0`)
+
+
+def _segment_need_rows(a: _Arrays, p0: int, p1: int, width: int) -> np.ndarray:
+    """need(p, p + t) for p in [p0, p1) (rows) and t < width (columns; past a start's
+    last reachable end the values are meaningless and never read)."""
+    pad = np.zeros(width, dtype=np.int64)
+
+    def win(arr):
+        ext = np.concatenate((arr[p0 : min(p1 + width, a.n)], pad))
+        return np.lib.stride_tricks.sliding_window_view(ext, width)[: p1 - p0]
+
+    rows = slice(p0, p1)
+    # [constraint] forward: block b runs on top of the boundary x_p (none for b = p).
+    fwd = win(a.f) + a.x[rows, None]
+    fwd[:, 0] = a.f[rows]
+    np.maximum.accumulate(fwd, axis=1, out=fwd)
+    fwd += a.static + a.fwd_grads
+    # [constraint] backward: the interior is rebuilt at once on top of the boundary; the
+    # last block's backward also sees the recompute's forward scratch; block k < b runs
+    # its backward with blocks p..k still rebuilt.
+    last = win(a.v) + np.maximum(win(a.bt), np.maximum.accumulate(win(a.ft), axis=1))
+    if width > 1:
+        inner = np.maximum.accumulate(win(a.inner), axis=1)
+        np.maximum(last[:, 1:], inner[:, :-1], out=last[:, 1:])
+    last += (a.static + a.x[rows] - a.xs[rows] - a.W[rows])[:, None]
+    return np.maximum(fwd, last, out=fwd)
+
+
+def _solve(
+    a: _Arrays, budget: int, max_len: int, cap: float, lb: _PrefixBound, stats: dict | None, beam: int = 0
+) -> ChainSolution | None:
+    """The backward Pareto DP (see the module docstring); `cap`/`beam` as in `solve_chain`."""
+    n = a.n
+    cdt = a.P.dtype
+    i64 = np.int64
+    capped = cap != math.inf
+    cap_eff = cap + lb.slack if capped else math.inf
+    c_top = np.iinfo(i64).max if cdt == i64 else np.inf
+    v_rises = bool(np.all(a.v[1:] >= a.v[:-1])) if n > 1 else True
+    # A state's back pointer: (q << 33) | (segment << 32) | (IDX - index in F_q): the plan
+    # goes on at position q after "keep block p" (q = p + 1) or after "segment [p, q - 1]".
+    # (IDX - index keeps the pool's pointers sorted, falling, so searchsorted can cut it.)
+    if n + 1 >= (1 << 29):
+        raise ValueError("chain too long for the planner's back pointers")
+    QS, SEG, IDX = 33, 1 << 32, (1 << 32) - 1
+    ar = np.arange(max(64, n + 2), dtype=i64)
+
+    # The ends reachable from each start, fixed by the budget alone.
+    p_all = np.arange(n, dtype=i64)
+    room = budget - a.static - a.outside_grad
+    # [expiry] for every start <= p: the segment may not cross a block that does not
+    # chain, exceed max_len, or rebuild blocks p+1..b beyond the budget. These limits
+    # only tighten as p decreases, so an option past them is gone for good.
+    forever = np.minimum(np.minimum(a.next_break - 1, p_all + max_len - 1), n - 1)
+    forever = np.minimum(forever, np.searchsorted(a.W, room + a.W[1:], side="right") - 2)
+    # exact for this start: the rebuilt interior alone (with its boundary) must fit
+    reach = np.minimum(forever, np.searchsorted(a.W, room - a.x + a.xs + a.W[:-1], side="right") - 2)
+    widths = np.maximum(reach - p_all + 1, 0)
+    need_rows = None
+    need_p0 = n
+
+    FD: list = [None] * (n + 1)
+    FC: list = [None] * (n + 1)
+    FB: list = [None] * (n + 1)
+    FD[n] = np.array([a.end_need], dtype=i64)
+    FC[n] = np.zeros(1, dtype=cdt)
+
+    # The pool of segment continuations: option (D, Ct = K_q + C, back pointer to F_q),
+    # in the order of insertion: the pointers (q in the high bits) fall along it.
+    pool_d = np.zeros(0, dtype=i64)
+    pool_c = np.zeros(0, dtype=cdt)
+    pool_b = np.zeros(0, dtype=i64)
+    pool_cap = 4 * beam
+
+    for p in range(n - 1, -1, -1):
+        q1 = p + 1
+        nd, nc = FD[q1], FC[q1]
+        m = nd.shape[0]
+        if m > ar.shape[0]:
+            ar = np.arange(2 * m, dtype=i64)
+        keep_b = ((q1 << QS) + IDX) - ar[:m]
+        # ---- the new options (segments ending at p, i.e. q = p + 1)
+        if m:
+            new_c = nc + a.K[q1]
+            if pool_d.shape[0]:
+                # [dominance] older (longer) options beaten by a new one, where valid.
+                ext = np.empty(m + 1, dtype=cdt)
+                ext[0] = c_top
+                ext[1:] = new_c
+                beaten = ext[np.searchsorted(nd, pool_d, side="right")] <= pool_c
+                if not v_rises:
+                    beaten &= a.v[p] <= a.v[(pool_b >> QS) - 1]
+                if beaten.any():
+                    live = ~beaten
+                    pool_d, pool_c, pool_b = pool_d[live], pool_c[live], pool_b[live]
+            pool_d = np.concatenate((pool_d, nd))
+            pool_c = np.concatenate((pool_c, new_c))
+            pool_b = np.concatenate((pool_b, keep_b))
+
+        if pool_d.shape[0]:
+            # [expiry] options ending past `forever[p]` (they sit at the front of the pool)
+            cut = pool_b.shape[0] - int(np.searchsorted(pool_b[::-1], (int(forever[p]) + 2) << QS, side="left"))
+            if cut:
+                pool_d, pool_c, pool_b = pool_d[cut:], pool_c[cut:], pool_b[cut:]
+            if (capped or (beam and pool_d.shape[0] > pool_cap)) and pool_d.shape[0]:
+                # [expiry] whatever start r <= p the segment gets, blocks r..p and the
+                # prefix before r form a prefix of p + 1 blocks leaving <= budget - D.
+                score = pool_c - a.P[q1] + lb.bound(q1, budget - pool_d)
+                alive = score <= cap_eff
+                if beam and pool_d.shape[0] > pool_cap:
+                    best = np.zeros(pool_d.shape[0], dtype=bool)
+                    best[np.argpartition(score, pool_cap - 1)[:pool_cap]] = True
+                    alive &= best
+                if not alive.all():
+                    pool_d, pool_c, pool_b = pool_d[alive], pool_c[alive], pool_b[alive]
+
+        # ---- candidates: keep block p, then every pool option that reaches p as a segment
+        kd = np.maximum(a.keep_need[p], a.saved[p] + nd)
+        w = int(widths[p])
+        start = pool_b.shape[0] - int(np.searchsorted(pool_b[::-1], (p + w + 1) << QS, side="left")) if w else 0
+        if w and start < pool_b.shape[0]:
+            if p < need_p0:  # compute need(p, .) for the next block of starts at once
+                p0 = max(0, p - 63)
+                width = int(widths[p0 : p + 1].max())
+                need_rows, need_p0 = _segment_need_rows(a, p0, p + 1, width), p0
+            ob = pool_b[start:]
+            sd = np.maximum(need_rows[p - need_p0][(ob >> QS) - q1], pool_d[start:] + a.x[p])
+            cand_d = np.concatenate((kd, sd))
+            cand_c = np.concatenate((nc, pool_c[start:] - a.P[p]))
+            cand_b = np.concatenate((keep_b, ob | SEG))
+        else:
+            cand_d, cand_c, cand_b = kd, nc, keep_b
+        ok = cand_d <= budget
+        if capped:
+            ok &= cand_c <= cap
+        if not ok.all():
+            cand_d, cand_c, cand_b = cand_d[ok], cand_c[ok], cand_b[ok]
+        # ---- [recurrence] Pareto prune: D ascending, keep strictly falling C
+        if cand_d.shape[0] > 1:
+            order = np.argsort(cand_d, kind="stable")
+            cs = cand_c[order]
+            keep = np.empty(cs.shape[0], dtype=bool)
+            keep[0] = True
+            np.less(cs[1:], np.minimum.accumulate(cs)[:-1], out=keep[1:])
+            order = order[keep]
+            ds = cand_d[order]
+            # equal D are not ordered by C: of a run of equal D the last kept has the least C
+            if ds.shape[0] > 1:
+                last = np.empty(ds.shape[0], dtype=bool)
+                last[-1] = True
+                np.not_equal(ds[:-1], ds[1:], out=last[:-1])
+                if not last.all():
+                    order, ds = order[last], ds[last]
+            cand_d, cand_c, cand_b = ds, cand_c[order], cand_b[order]
+        if p > 0 and cand_d.shape[0] and (capped or beam):
+            # [bound] the prefix before p must leave at most budget - D resident
+            score = cand_c + lb.bound(p, budget - cand_d)
+            ok = score <= cap_eff
+            if beam and cand_d.shape[0] > beam:
+                best = np.zeros(cand_d.shape[0], dtype=bool)
+                best[np.argpartition(score, beam - 1)[:beam]] = True
+                ok &= best
+            if not ok.all():
+                cand_d, cand_c, cand_b = cand_d[ok], cand_c[ok], cand_b[ok]
+        FD[p], FC[p], FB[p] = cand_d, cand_c, cand_b
+        if stats is not None:
+            key = "beam_" if beam else ""
+            stats[key + "pool"] = stats.get(key + "pool", 0) + pool_d.shape[0]
+            stats[key + "frontier"] = stats.get(key + "frontier", 0) + cand_d.shape[0]
+            stats[key + "max_pool"] = max(stats.get(key + "max_pool", 0), pool_d.shape[0])
+            stats[key + "max_frontier"] = max(stats.get(key + "max_frontier", 0), cand_d.shape[0])
+        if not cand_d.shape[0] and not pool_d.shape[0]:
+            return None  # nothing left to build on
+
+    if FD[0].shape[0] == 0:
+        return None
+    # the last state has the least cost; it is the lowest demand among those of that cost
+    k = FD[0].shape[0] - 1
+    best_cost = FC[0][k]
+    peak = max(int(FD[0][k]), a.opt_need)
+    segs: Segments = []
+    p = 0
+    while p < n:
+        ptr = int(FB[p][k])
+        q, k = ptr >> QS, IDX - (ptr & IDX)
+        if ptr & SEG:
+            segs.append((p, q - 1))
+        p = q
+    return ChainSolution(best_cost.item(), peak, segs)
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def _reference_least_recompute(
+    cost: StepCost,
+    budget_bytes: int,
+    metric: str = "flops",
+    max_segment_blocks: int | None = None,
+    cost_cap: float = math.inf,
+) -> tuple[float, Segments] | None:
+    """The original forward (R, C) Pareto DP (`planner._least_recompute`): slow, simple."""
+    from lightning_ckpt.planner import _least_recompute
+
+    return _least_recompute(cost, budget_bytes, metric, max_segment_blocks, cost_cap=cost_cap)
+
+
+def _reference_optimal_segments(
+    cost: StepCost, budget_bytes: int, metric: str = "flops", max_segment_blocks: int | None = None
+) -> Segments | None:
+    """The original `optimal`: the least recompute C* from the reference DP, then the
+    lowest peak by bisecting the budget (the smallest budget at which C* is still
+    reachable is the lowest peak of any plan costing C*). None when nothing fits."""
+    from lightning_ckpt.memory_model import predict_peak
+
+    found = _reference_least_recompute(cost, budget_bytes, metric, max_segment_blocks)
+    if found is None:
+        return None
+    best_c, segs = found
+    hi = predict_peak(cost, segs).peak_bytes
+    lo = cost.static_bytes - 1
+    cap = best_c + 1e-9 * max(1.0, abs(best_c))
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        trial = _reference_least_recompute(cost, mid, metric, max_segment_blocks, cost_cap=cap)
+        if trial is not None:
+            hi, segs = predict_peak(cost, trial[1]).peak_bytes, trial[1]
+        else:
+            lo = mid
+    return segs

@@ -1,0 +1,216 @@
+"""The fast chain planner (`chain_dp.solve_chain`) against brute force and the reference DP.
+
+Timing claims (1,000 blocks in under a second) live in benchmarks/chain_planner.py,
+not here; these tests only check that the answer is exact for the memory model:
+least recompute whose predicted peak fits, ties broken by the lowest peak.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from test_planner import all_plans, brute_force, random_cost, uniform
+
+from lightning_ckpt.chain_dp import _reference_optimal_segments, solve_chain
+from lightning_ckpt.costs import BlockCost, StepCost
+from lightning_ckpt.memory_model import predict_peak, recompute_cost
+from lightning_ckpt.planner import InfeasibleBudgetError, every_k_segments, make_plan, optimal_segments
+
+BEAMS = (0, 1, 3)  # 0: one uncapped run; >0: a beam run bounds the exact run (forced on small chains)
+
+
+def rich_cost(rng: random.Random, n: int, huge: bool = True) -> StepCost:
+    """Random chains with the corners `random_cost` misses: zero bytes and zero FLOPs,
+    skipped tails, blocks whose gradients outweigh their activations, frequent
+    unchainable blocks, and (`huge`) FLOPs beyond float precision (ties only exact in ints)."""
+    unit = rng.choice((1, 1, 1, 2**50 + 1)) if huge else 1
+    blocks = []
+    for i in range(n):
+        x = rng.choice((0, rng.randint(1, 40)))
+        saved = rng.choice((0, rng.randint(0, 300)))
+        saves_input = rng.random() < 0.5
+        flops = unit * rng.choice((0, rng.randint(1, 8), rng.randint(1, 60)))
+        blocks.append(
+            BlockCost(
+                f"b{i}",
+                saved_bytes=saved + (x if saves_input else 0),
+                input_bytes=x,
+                input_saved_bytes=x if saves_input else 0,
+                output_bytes=rng.choice((0, rng.randint(1, 40))),
+                fwd_transient_bytes=rng.choice((0, rng.randint(0, 80))),
+                bwd_transient_bytes=rng.choice((0, rng.randint(0, 80))),
+                grad_bytes=rng.choice((0, rng.randint(0, 20), rng.randint(0, 400))),
+                fwd_flops=flops,
+                tail_flops=rng.choice((0, rng.randint(0, flops))) if flops else 0,
+                chains_from_previous=rng.random() < 0.75,
+            )
+        )
+    return StepCost(
+        blocks=tuple(blocks),
+        batch_size=2,
+        static_bytes=rng.randint(0, 100),
+        outside_grad_bytes=rng.randint(0, 30),
+        pre_saved_bytes=rng.randint(0, 30),
+        post_saved_bytes=rng.randint(0, 80),
+        grads_live_in_forward=rng.random() < 0.5,
+        optimizer_transient_bytes=rng.choice((0, rng.randint(0, 200))),
+    )
+
+
+def budgets_for(rng: random.Random, cost: StepCost, k: int) -> list[int]:
+    """Budgets around the `full`..`none` range, some exactly at a plan's peak."""
+    n = cost.n_blocks
+    lo = predict_peak(cost, every_k_segments(n, 1)).peak_bytes if n else predict_peak(cost, []).peak_bytes
+    hi = predict_peak(cost, []).peak_bytes
+    out = [rng.randint(min(lo, hi) - 20, max(lo, hi) + 5) for _ in range(k)]
+    plans = list(all_plans(n)) if n <= 6 else [every_k_segments(n, 2), [(0, n // 2)] if n > 1 else []]
+    out.append(predict_peak(cost, rng.choice(plans)).peak_bytes)  # the budget is hit exactly
+    return out
+
+
+def outcomes(cost: StepCost) -> list[tuple[int, int]]:
+    """(recompute, peak) of every valid plan: brute force for many budgets at once."""
+    res = []
+    for segs in all_plans(cost.n_blocks):
+        if any(not cost.blocks[i].chains_from_previous for a, b in segs for i in range(a + 1, b + 1)):
+            continue
+        res.append((recompute_cost(cost, segs), predict_peak(cost, segs).peak_bytes))
+    return res
+
+
+def check(cost: StepCost, budget: int, expected: tuple | None, **kw) -> None:
+    """`solve_chain` gives exactly `expected` = (least recompute, lowest peak), or None."""
+    sol = solve_chain(cost, budget, **kw)
+    if expected is None:
+        assert sol is None, (budget, sol)
+        return
+    assert sol is not None, (budget, expected)
+    peak = predict_peak(cost, sol.segments).peak_bytes
+    got = (recompute_cost(cost, sol.segments), peak)
+    assert got == tuple(expected), (budget, got, expected, sol.segments)
+    assert sol.peak_bytes == peak and sol.cost == got[0]
+    assert all(cost.blocks[i].chains_from_previous for a, b in sol.segments for i in range(a + 1, b + 1))
+
+
+@pytest.mark.parametrize("seed", range(250))
+def test_random_cost_equals_brute_force(seed):
+    """The planner test suite's chains (`random_cost`), n up to 10, every solver mode."""
+    rng = random.Random(10_000 + seed)
+    n = rng.randint(1, 10 if seed % 50 == 0 else 7)
+    cost = random_cost(rng, n)
+    budget = budgets_for(rng, cost, 1)[seed % 2]
+    bf = brute_force(cost, budget)
+    for beam in BEAMS:
+        check(cost, budget, None if bf is None else bf[0], beam=beam)
+
+
+@pytest.mark.parametrize("seed", range(250))
+def test_corner_chains_equal_brute_force(seed):
+    """Zero costs, tails, unchainable blocks, huge FLOPs, budgets hit exactly."""
+    rng = random.Random(20_000 + seed)
+    n = rng.randint(0, 10 if seed % 50 == 0 else 7)
+    cost = rich_cost(rng, n)
+    table = outcomes(cost)
+    for budget in budgets_for(rng, cost, 3):
+        fits = [o for o in table if o[1] <= budget]
+        expected = min(fits) if fits else None
+        for beam in BEAMS:
+            check(cost, budget, expected, beam=beam)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_equals_reference_dp_on_longer_chains(seed):
+    """n = 20..60: the original forward DP with its bisection tie-break is the reference."""
+    rng = random.Random(30_000 + seed)
+    n = rng.randint(20, 60)
+    # the reference sums FLOPs in floats, so no FLOPs beyond 2**53 here (brute force covers those)
+    cost = random_cost(rng, n) if seed % 2 else rich_cost(rng, n, huge=False)
+    lo = predict_peak(cost, every_k_segments(n, 1)).peak_bytes
+    hi = predict_peak(cost, []).peak_bytes
+    budget = min(lo, hi) + int(rng.uniform(0.05, 1.0) * abs(hi - lo))
+    ref = _reference_optimal_segments(cost, budget)
+    expected = None if ref is None else (recompute_cost(cost, ref), predict_peak(cost, ref).peak_bytes)
+    for beam in (0, 4, 16):
+        check(cost, budget, expected, beam=beam)
+
+
+@pytest.mark.parametrize("frac", [0.1, 0.25, 0.5, 0.75, 0.9])
+def test_uniform_chain_equals_reference(frac):
+    cost = uniform(40)
+    lo = predict_peak(cost, every_k_segments(40, 1)).peak_bytes
+    hi = predict_peak(cost, []).peak_bytes
+    budget = int(lo + frac * (hi - lo))
+    ref = _reference_optimal_segments(cost, budget)
+    for beam in (0, 16):
+        check(cost, budget, (recompute_cost(cost, ref), predict_peak(cost, ref).peak_bytes), beam=beam)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_max_segment_blocks_equals_reference(seed):
+    rng = random.Random(40_000 + seed)
+    n = rng.randint(8, 24)
+    cost = random_cost(rng, n)
+    lo = predict_peak(cost, every_k_segments(n, 1)).peak_bytes
+    hi = predict_peak(cost, []).peak_bytes
+    budget = min(lo, hi) + int(rng.uniform(0.0, 1.0) * abs(hi - lo))
+    k = rng.randint(1, 4)
+    ref = _reference_optimal_segments(cost, budget, max_segment_blocks=k)
+    expected = None if ref is None else (recompute_cost(cost, ref), predict_peak(cost, ref).peak_bytes)
+    for beam in (0, 3):
+        check(cost, budget, expected, beam=beam, max_segment_blocks=k)
+    sol = solve_chain(cost, budget, max_segment_blocks=k)
+    assert sol is None or all(b - a + 1 <= k for a, b in sol.segments)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_ms_metric_matches_reference_cost(seed):
+    """Costs in milliseconds are floats: the least recompute agrees up to rounding."""
+    rng = random.Random(50_000 + seed)
+    n = rng.randint(5, 30)
+    base = rich_cost(rng, n)
+    blocks = tuple(
+        BlockCost(**{**b.__dict__, "fwd_ms": rng.choice((0.0, rng.uniform(0.01, 9.0))), "fwd_flops": rng.randint(1, 50)})
+        for b in base.blocks
+    )
+    blocks = tuple(BlockCost(**{**b.__dict__, "tail_flops": min(b.tail_flops, b.fwd_flops)}) for b in blocks)
+    cost = StepCost(**{**base.__dict__, "blocks": blocks})
+    lo = predict_peak(cost, every_k_segments(n, 1)).peak_bytes
+    hi = predict_peak(cost, []).peak_bytes
+    budget = min(lo, hi) + int(rng.uniform(0.0, 1.0) * abs(hi - lo))
+    ref = _reference_optimal_segments(cost, budget, metric="ms")
+    for beam in (0, 3):
+        sol = solve_chain(cost, budget, metric="ms", beam=beam)
+        assert (sol is None) == (ref is None)
+        if sol is not None:
+            assert predict_peak(cost, sol.segments).peak_bytes <= budget
+            assert recompute_cost(cost, sol.segments, "ms") == pytest.approx(recompute_cost(cost, ref, "ms"), rel=1e-9, abs=1e-9)
+
+
+def test_huge_flops_ties_are_exact():
+    """FLOPs beyond 2**53: two plans that differ by one FLOP are told apart."""
+    big = 2**60
+    blocks = (
+        BlockCost("a", saved_bytes=100, input_bytes=1, fwd_flops=big + 1),
+        BlockCost("b", saved_bytes=100, input_bytes=1, fwd_flops=big),
+        BlockCost("c", saved_bytes=10, input_bytes=1, fwd_flops=1),
+    )
+    cost = StepCost(blocks=blocks, batch_size=1)
+    # 205 bytes: `none` peaks at 210; checkpointing "a" (peak 111) or "b" (peak 201)
+    # fits, "c" alone does not. In floats both cost 2**60 and the lower peak would win.
+    sol = solve_chain(cost, 205)
+    assert sol.segments == [(1, 1)] and sol.cost == big
+
+
+def test_planner_entry_points_use_the_fast_solver():
+    cost = uniform(300)
+    lo = predict_peak(cost, every_k_segments(300, 1)).peak_bytes
+    hi = predict_peak(cost, []).peak_bytes
+    budget = (lo + hi) // 2
+    segs = optimal_segments(cost, budget)
+    plan = make_plan(cost, "optimal", budget)
+    assert list(plan.segments) == segs and plan.fits
+    # one segment of 143 blocks (+ its boundary) beside 157 kept blocks fills the budget
+    assert plan.recompute_flops == 143 * 100
+    with pytest.raises(InfeasibleBudgetError):
+        optimal_segments(cost, 10 * 2**20)  # below even one block's rebuilt interior
