@@ -244,9 +244,13 @@ def test_hirschberg_matches_torch_dp_knapsack():
         v = rng.integers(0, 50, n).astype(float)  # exact in torch's float32 DP
         cap = float(rng.uniform(0, max(w.sum(), 1e-3)))
         _, torch_saved, _ = dp_knapsack(w.tolist(), v.tolist(), cap)
-        ours = dp_knapsack_hirschberg(w.tolist(), v.tolist(), cap)
+        ours = dp_knapsack_hirschberg(w.tolist(), v.tolist(), cap, feasible=False)
         check_answer(w, v, cap, ours, exact_feasibility=False)
         assert ours[0] == float(v[torch_saved].sum())
+        safe = dp_knapsack_hirschberg(w.tolist(), v.tolist(), cap)
+        check_answer(w, v, cap, safe)  # never over the real budget
+        if safe[0] != ours[0]:  # only when dp_knapsack's own answer is over it
+            assert not fits_exactly(w[torch_saved].tolist(), cap)
         q = np.rint(w * 10_000)  # same quantised budget as dp_knapsack
         assert q[ours[1]].sum() <= round(cap * 10_000)
 
@@ -259,8 +263,9 @@ def test_hirschberg_quantisation_bound_on_real_weights():
         w = rng.uniform(0, 1e-3, n)
         v = rng.uniform(0, 1, n)
         cap = float(rng.uniform(0, w.sum()))
-        value, saved, _ = dp_knapsack_hirschberg(w, v, cap)
+        value, saved, _ = dp_knapsack_hirschberg(w, v, cap, feasible=False)
         assert w[saved].sum() <= cap + (len(saved) + 1) / 20_000 + 1e-12
+        check_answer(w, v, cap, dp_knapsack_hirschberg(w, v, cap))  # the default is never over
 
 
 def test_hirschberg_memory_is_linear_in_the_budget():

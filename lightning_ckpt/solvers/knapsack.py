@@ -70,6 +70,7 @@ def dp_knapsack_hirschberg(
     max_memory: float,
     *,
     scale: int = TORCH_DP_SCALE,
+    feasible: bool = True,
 ) -> Result:
     """The paper's sliding-window + Hirschberg DP, on PyTorch's quantisation.
 
@@ -80,7 +81,11 @@ def dp_knapsack_hirschberg(
     The selection is optimal and within budget *on those
     integers* (float64 runtimes); on the real memory values rounding can put it over
     ``max_memory`` by at most (number saved + 1) / (2 * scale), as with
-    ``dp_knapsack``. Use `exact_knapsack` for a selection that is never over.
+    ``dp_knapsack``. With ``feasible=True`` (the default) such a selection is never
+    returned: the DP is run again on a conservative quantisation (memory rounded up,
+    budget down), whose optimum is within budget on the real values. Only then can
+    the answer differ from ``dp_knapsack``'s, whose selection is over the budget.
+    Use `exact_knapsack` for the optimum on the real values.
 
     Items quantised to 0 with positive runtime are saved, zero-runtime items are
     not. Memory is O(W) for W = the quantised budget (two float64 rows of at most
@@ -100,7 +105,18 @@ def dp_knapsack_hirschberg(
     decide = np.flatnonzero((qf > 0) & (qf <= qcap) & (v > 0))
     q = qf[decide].astype(np.int64)
     picked = hirschberg_select(q, v[decide], qcap) if decide.size else np.zeros(0, dtype=np.int64)
-    return make_result(v, np.concatenate((np.flatnonzero(free), decide[picked])), n)
+    saved = np.concatenate((np.flatnonzero(free), decide[picked]))
+    if feasible and not fits_exactly(w[saved].tolist(), cap):
+        # [constraint] ceil(w*s) >= w*s and floor(cap*s) <= cap*s: any selection within the
+        # conservative integer budget is within the real budget.
+        with np.errstate(over="ignore", invalid="ignore"):
+            qc = np.ceil(w * scale)
+        ccap = math.floor(cap * scale)
+        decide = np.flatnonzero((qc <= ccap) & (v > 0))
+        q = qc[decide].astype(np.int64)
+        picked = hirschberg_select(q, v[decide], ccap) if decide.size else np.zeros(0, dtype=np.int64)
+        saved = decide[picked]
+    return make_result(v, saved, n)
 
 
 @dataclass(frozen=True)
