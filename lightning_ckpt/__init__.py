@@ -23,14 +23,17 @@ from lightning_ckpt.profiler import profile_model
 from lightning_ckpt.static_memory import StaticMemory, static_memory
 from lightning_ckpt.tracker import LiveBytesTracker
 from lightning_ckpt.units import parse_bytes
+from lightning_ckpt.zero_memory import ZeroMemory, zero_memory
 
 if TYPE_CHECKING:
     from lightning_ckpt.callback import ActivationCheckpointing
+    from lightning_ckpt.strategy import DeepSpeedStrategy
 
 __all__ = [
     "ActivationCheckpointing",
     "AppliedPlan",
     "BlockCost",
+    "DeepSpeedStrategy",
     "InfeasibleBudgetError",
     "LiveBytesTracker",
     "POLICIES",
@@ -38,6 +41,7 @@ __all__ = [
     "Profile",
     "StaticMemory",
     "StepCost",
+    "ZeroMemory",
     "apply_segments",
     "make_plan",
     "measure_step_peak",
@@ -47,9 +51,10 @@ __all__ = [
     "recompute_cost",
     "resolve_blocks",
     "static_memory",
+    "zero_memory",
 ]
 
-_LAZY = {"ActivationCheckpointing": "lightning_ckpt.callback"}
+_LAZY = {"ActivationCheckpointing": "lightning_ckpt.callback", "DeepSpeedStrategy": "lightning_ckpt.strategy"}
 
 
 def __getattr__(name: str) -> Any:

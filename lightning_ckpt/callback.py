@@ -10,6 +10,7 @@ is done by the pure core; this module only gathers inputs and applies results.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -249,8 +250,10 @@ class ActivationCheckpointing(Callback):
             "ckpt/checkpointed_blocks": float(len(plan.checkpointed)),
         }
         self._log(trainer, metrics)
-        if self.report and trainer.is_global_zero:
-            self._write_report(trainer)
+        if self.report:
+            log_dir = Path(trainer.log_dir or trainer.default_root_dir)  # `log_dir` is a collective: all ranks
+            if trainer.is_global_zero:
+                self._write_report(log_dir)
         if self.plan_only:
             raise PlanOnly(str(plan))
         self._start_measuring(trainer, pl_module)
@@ -299,28 +302,41 @@ class ActivationCheckpointing(Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
 
-    def _write_report(self, trainer: pl.Trainer) -> None:
+    def _write_report(self, log_dir: Path) -> None:
         from lightning_ckpt.report import plot_tradeoff, write_json
 
-        log_dir = Path(trainer.log_dir or trainer.default_root_dir)
         self.report_paths = [write_json(log_dir / REPORT_JSON, self.plan, self.profile, self.cost)]
         if self.cost is not None:
             self.report_paths.append(plot_tradeoff(log_dir / REPORT_PNG, self.cost, self.plan, metric=self.cost_metric))
         rank_zero_info(f"lightning-ckpt: plan report written to {', '.join(str(p) for p in self.report_paths)}")
 
     def _plan_safely(self, fn) -> dict:
-        """Run planning; an error becomes data, so every rank can raise it after the broadcast."""
+        """Run planning; an error becomes data, so every rank can raise it after the broadcast.
+        Only rank 0 plans (`fn` returns None elsewhere): its outcome is every rank's."""
+        self._local_error = None
         try:
-            return {"plan": fn().to_dict(), "error": None}
-        except (InfeasibleBudgetError, ValueError) as err:
-            return {"plan": None, "error": f"{type(err).__name__}: {err}", "infeasible": isinstance(err, InfeasibleBudgetError)}
+            plan = fn()
+            return {"plan": None if plan is None else plan.to_dict(), "error": None}
+        except Exception as err:  # any error must reach the broadcast, or the other ranks wait in it forever
+            self._local_error = err
+            return {
+                "plan": None,
+                "error": f"{type(err).__name__}: {err}",
+                "infeasible": isinstance(err, InfeasibleBudgetError),
+                "value_error": isinstance(err, ValueError),
+            }
 
     def _adopt(self, trainer: pl.Trainer, outcome: dict) -> None:
         """Take rank 0's outcome on every rank: the same plan everywhere, or the same error."""
         outcome = trainer.strategy.broadcast(outcome, src=0)
+        local, self._local_error = getattr(self, "_local_error", None), None
         if outcome["error"] is not None:
-            kind = InfeasibleBudgetError if outcome.get("infeasible") else ValueError
+            if local is not None and trainer.is_global_zero:
+                raise local
+            kind = InfeasibleBudgetError if outcome.get("infeasible") else ValueError if outcome.get("value_error", True) else RuntimeError
             raise kind(outcome["error"].split(": ", 1)[1])
+        if local is not None:
+            warnings.warn(f"lightning-ckpt: rank {trainer.global_rank} failed to profile ({local}); it applies rank 0's plan.")
         self.plan = Plan.from_dict(outcome["plan"])
 
     def _plan_from_checkpoint(self) -> Plan | None:
@@ -355,7 +371,7 @@ class ActivationCheckpointing(Callback):
 
     def _profile_and_plan(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, find_max: bool = False
-    ) -> Plan:
+    ) -> Plan | None:
         n = batch_size_of(batch)
         probes = tuple(min(p, n) for p in self.probe_batch_sizes)
         if len(set(probes)) != 2:
@@ -377,6 +393,8 @@ class ActivationCheckpointing(Callback):
                 f"lightning-ckpt: bytes predicted from batches {probes} miss the measurement at batch {check} by "
                 f"{100 * err:.1f}%; the model's memory is not linear in the batch size, so the plan may be off."
             )
+        if not trainer.is_global_zero:
+            return None  # every rank profiles (ZeRO-3 gathers parameters collectively); only rank 0 plans
         self._static = static = _static_memory(trainer, pl_module)
         if find_max:
             return self._max_plan(static)

@@ -141,6 +141,8 @@ class _Probe:
         self.tracker = tracker
         self.flops = flops
         self.param_keys = {_storage_key(p) for p in model.parameters()}
+        # ZeRO-3 parameters have empty storage until gathered in the forward: also tell them by identity.
+        self.param_ids = {id(p) for p in model.parameters()}
         self.current: int | None = None
         self.done_blocks = 0
         self.owner: dict[Any, int] = {}
@@ -210,7 +212,8 @@ class _Probe:
         i = self.current
         if i is not None:
             key = _storage_key(t)
-            if key is not None and key not in self.param_keys and key not in self.owner:
+            base = t if t._base is None else t._base
+            if key is not None and key not in self.param_keys and id(base) not in self.param_ids and key not in self.owner:
                 self.owner[key] = i
                 nbytes = storage_bytes(t)
                 self.saved[i] += nbytes

@@ -1,0 +1,213 @@
+"""`DeepSpeedStrategy`: Lightning's DeepSpeed strategy, also on CPU, that informs the planner.
+
+On CUDA it is Lightning's `DeepSpeedStrategy` unchanged. On the CPU accelerator
+(DeepSpeed's `DS_ACCELERATOR=cpu`, gloo) it skips the three CUDA-only steps of
+Lightning's. For `ActivationCheckpointing` it reports the per-rank static memory of
+the configured ZeRO stage (`zero_memory`) and gives a profiling context in which
+DeepSpeed's gradient hooks are paused, so profiling steps leave its state alone.
+This is the only module of lightning-ckpt that imports `deepspeed`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.strategies import DeepSpeedStrategy as _LightningDeepSpeedStrategy
+from lightning.pytorch.strategies.ddp import DDPStrategy
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
+
+from lightning_ckpt.static_memory import StaticMemory
+from lightning_ckpt.zero_memory import PRECISIONS, ZeroMemory, zero_memory
+
+__all__ = ["DeepSpeedStrategy"]
+
+# DeepSpeed's own default for `stage3_param_persistence_threshold` (elements): ZeRO-3
+# keeps parameters this small whole on every rank instead of partitioning them.
+DEEPSPEED_PERSISTENCE_DEFAULT = 100_000
+DEEPSPEED_REDUCE_BUCKET_DEFAULT = 500_000_000  # DeepSpeed's default `reduce_bucket_size` (elements)
+DEEPSPEED_MAX_LIVE_DEFAULT = 1_000_000_000  # DeepSpeed's default `stage3_max_live_parameters` (elements)
+
+
+def _import_deepspeed():
+    try:
+        import deepspeed
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "lightning_ckpt.DeepSpeedStrategy needs DeepSpeed, which is not installed. "
+            "Install it with `pip install 'lightning-ckpt[deepspeed]'` (or `pip install deepspeed`)."
+        ) from err
+    return deepspeed
+
+
+class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
+    """Lightning's `DeepSpeedStrategy`, also on the CPU accelerator, with lightning-ckpt's hooks.
+
+    Takes every argument of Lightning's `DeepSpeedStrategy`, plus:
+
+    Args:
+        param_persistence_threshold: ZeRO-3 only: parameters of at most this many elements stay
+            whole on every rank (DeepSpeed's ``stage3_param_persistence_threshold``; its default is
+            100000). None keeps the config's value.
+    """
+
+    def __init__(self, *args: Any, param_persistence_threshold: int | None = None, **kwargs: Any) -> None:
+        if param_persistence_threshold is not None and (
+            isinstance(param_persistence_threshold, bool)
+            or not isinstance(param_persistence_threshold, int)
+            or param_persistence_threshold < 0
+        ):
+            raise ValueError(
+                f"param_persistence_threshold={param_persistence_threshold!r} must be a non-negative integer (a "
+                "number of elements), or None to keep DeepSpeed's default."
+            )
+        super().__init__(*args, **kwargs)
+        self.param_persistence_threshold = param_persistence_threshold
+        if param_persistence_threshold is not None:
+            zero = self.config.get("zero_optimization")
+            if not isinstance(zero, dict):
+                raise ValueError(
+                    f"param_persistence_threshold={param_persistence_threshold} applies to ZeRO stage 3, but the "
+                    "DeepSpeed config has no zero_optimization section; set stage=3 or drop the argument."
+                )
+            zero["stage3_param_persistence_threshold"] = param_persistence_threshold
+
+    # ------------------------------------------------------------------ CPU support
+    def _on_cpu(self) -> bool:
+        return isinstance(self.accelerator, CPUAccelerator)
+
+    def setup_environment(self) -> None:
+        if not self._on_cpu():
+            super().setup_environment()  # Lightning's, which requires CUDA
+            return
+        deepspeed = _import_deepspeed()
+        name = deepspeed.get_accelerator().device_name()
+        if name != "cpu":
+            raise RuntimeError(
+                f"the Trainer runs on the CPU accelerator but DeepSpeed picked its {name!r} accelerator; both must "
+                "agree. Set the environment variable DS_ACCELERATOR=cpu before starting Python, or train on CUDA."
+            )
+        DDPStrategy.setup_environment(self)  # skips Lightning's CUDA-only check
+
+    def setup_distributed(self) -> None:
+        if not self._on_cpu():
+            super().setup_distributed()
+            return
+        # Lightning's version checks that device indices equal local ranks; CPU devices have no index.
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    @contextlib.contextmanager
+    def _cpu_device_rank(self) -> Iterator[None]:
+        """Lightning passes `device_rank=root_device.index` to `deepspeed.initialize`; a CPU device's
+        index is None, which DeepSpeed cannot use. On CPU the local rank is passed instead."""
+        if not self._on_cpu():
+            yield
+            return
+        deepspeed = _import_deepspeed()
+        original = deepspeed.initialize
+        local_rank = self.local_rank
+
+        def initialize(*args: Any, **kwargs: Any) -> Any:
+            ns = kwargs.get("args")
+            if ns is not None and getattr(ns, "device_rank", 0) is None:
+                ns.device_rank = local_rank
+            return original(*args, **kwargs)
+
+        deepspeed.initialize = initialize
+        try:
+            yield
+        finally:
+            deepspeed.initialize = original
+
+    def _setup_model_and_optimizer(self, *args: Any, **kwargs: Any) -> Any:
+        with self._cpu_device_rank():
+            return super()._setup_model_and_optimizer(*args, **kwargs)
+
+    def _initialize_deepspeed_inference(self, model: nn.Module) -> None:
+        with self._cpu_device_rank():
+            super()._initialize_deepspeed_inference(model)
+
+    # ------------------------------------------------------------------ lightning-ckpt hooks
+    @property
+    def zero_stage(self) -> int:
+        """The configured ZeRO stage (0 when ZeRO is off)."""
+        zero = (self.config or {}).get("zero_optimization") or {}
+        return int(zero.get("stage", 0))
+
+    def zero_memory(self, pl_module: nn.Module) -> ZeroMemory:
+        """Per-rank bytes by kind (parameters, gradients, master weights, moments, buckets)."""
+        precision = self.precision_plugin.precision
+        if precision not in PRECISIONS:
+            raise ValueError(
+                f"lightning-ckpt models DeepSpeed's memory for precision {', '.join(PRECISIONS)}, not {precision!r}; "
+                "train with one of those, or set the callback's memory_budget knowing the model state is not counted."
+            )
+        config = self.config or {}
+        zero = config.get("zero_optimization") or {}
+        if (config.get("data_types") or {}).get("grad_accum_dtype") not in (None, "bf16" if "bf16" in precision else "fp32"):
+            rank_zero_warn(
+                "lightning-ckpt's ZeRO memory model assumes gradients accumulate in the parameters' dtype; the "
+                "config's data_types.grad_accum_dtype differs, so the static memory in the plan is approximate."
+            )
+        if zero.get("offload_optimizer") or zero.get("offload_param"):
+            rank_zero_warn(
+                "lightning-ckpt's ZeRO memory model does not model offloading; offloaded optimizer state and "
+                "parameters are counted as if they stayed on the device (the plan is conservative)."
+            )
+        stage = self.zero_stage
+        return zero_memory(
+            _param_sizes(pl_module),
+            stage=stage,
+            world_size=self.world_size,
+            precision=precision,
+            persistence_threshold=_number(zero, "stage3_param_persistence_threshold", DEEPSPEED_PERSISTENCE_DEFAULT),
+            reduce_bucket_size=_number(zero, "reduce_bucket_size", DEEPSPEED_REDUCE_BUCKET_DEFAULT),
+            contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
+            overlap_comm=bool(zero.get("overlap_comm", stage == 3)),
+            max_live_parameters=_number(zero, "stage3_max_live_parameters", DEEPSPEED_MAX_LIVE_DEFAULT),
+            buffer_bytes=sum(b.numel() * b.element_size() for b in pl_module.buffers()),
+        )
+
+    def ckpt_static_memory(self, pl_module: nn.Module, optimizers: Any = ()) -> StaticMemory:
+        """Per-rank static memory for `ActivationCheckpointing`: the ZeRO model, not what this
+        process happens to hold (under ZeRO-3 the parameters are partitioned and empty here)."""
+        return self.zero_memory(pl_module).to_static_memory()
+
+    @contextlib.contextmanager
+    def ckpt_profiling_context(self) -> Iterator[None]:
+        """Profiling steps run forward and backward outside DeepSpeed's engine: pause the
+        gradient hooks DeepSpeed put on the parameters (they would reduce and partition the
+        profiling gradients into its buffers), and restore them afterwards."""
+        params = [p for p in self.lightning_module.parameters() if p.requires_grad]
+        stash = []
+        for p in params:
+            hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+            if hooks:
+                stash.append((hooks, dict(hooks)))
+                hooks.clear()
+        try:
+            yield
+        finally:
+            for hooks, saved in stash:
+                hooks.update(saved)
+
+
+def _param_sizes(module: nn.Module) -> list[tuple[int, bool]]:
+    """(elements, trainable) of every parameter; ZeRO-3 partitioned ones report `ds_numel`."""
+    out = []
+    for p in module.parameters():
+        n = getattr(p, "ds_numel", None)
+        out.append((int(n) if n is not None else p.numel(), p.requires_grad))
+    return out
+
+
+def _number(zero: dict, key: str, default: int) -> int:
+    """A size from the ZeRO config; DeepSpeed's default when absent or not a number (e.g. "auto")."""
+    value = zero.get(key, default)
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
