@@ -74,3 +74,25 @@ def test_optimal_within_10_percent_and_under_budget(encoder_setup):
         other = make_plan(cost, policy, budget, every_k=k)
         if other.fits:
             assert plan.recompute_flops <= other.recompute_flops, policy
+
+
+def test_max_batch_measured_under_budget(encoder_setup):
+    """target_batch_size='max': the largest multiple of 8 that fits, checked by the tracker."""
+    from train_encoder import SyntheticTextDataModule
+
+    from lightning_ckpt.capacity import largest_batch, plan_if_fits
+
+    model, opt, _, loss_fn, profile, cost = encoder_setup
+    budget = 300 * 2**20
+
+    def cost_at(b):
+        return profile.at(b, static_bytes=cost.static_bytes, optimizer_transient_bytes=cost.optimizer_transient_bytes)
+
+    best, plan = largest_batch(cost_at, budget, "optimal", multiple=8)
+    assert best >= 8 and plan.fits
+    assert plan_if_fits(cost_at(best + 8), budget) is None
+    data = SyntheticTextDataModule(batch_size=best)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    measured = _measure(model, opt, batch, loss_fn, plan.segments)
+    assert measured <= budget, (best, measured, budget)
