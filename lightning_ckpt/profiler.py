@@ -41,9 +41,10 @@ def batch_size_of(batch: Any) -> int:
 
 
 def slice_batch(batch: Any, n: int) -> Any:
-    """The first `n` samples of a batch (tensors, tuples, lists, dicts, nested)."""
+    """The first `n` samples of a batch (tensors, tuples, lists, dicts, nested), copied."""
     if isinstance(batch, torch.Tensor):
-        return batch[:n] if batch.dim() > 0 else batch
+        # a copy, not a view: a view keeps (and measures as) the whole batch's storage
+        return batch[:n].clone() if batch.dim() > 0 else batch
     if isinstance(batch, dict):
         return type(batch)((k, slice_batch(v, n)) for k, v in batch.items())
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):

@@ -110,3 +110,9 @@ def test_step_must_return_a_loss():
     model = TinyChain(n_blocks=2)
     with pytest.raises(ValueError, match="training_step must return the loss"):
         probe_step(model, list(model.blocks), lambda b: model(b[0]), tokens_batch(batch=2))
+
+
+def test_slices_are_copies_so_boundary_bytes_scale_with_the_batch():
+    batch = torch.zeros(8, 5)
+    part = slice_batch(batch, 2)
+    assert part.untyped_storage().nbytes() == 2 * 5 * 4
