@@ -101,7 +101,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lightning_ckpt.costs import StepCost
-from lightning_ckpt.memory_model import block_recompute, skipped_tail
+from lightning_ckpt.memory_model import block_recompute, end_need, skipped_tail
 
 Segments = list[tuple[int, int]]
 
@@ -128,6 +128,8 @@ class _Arrays:
     saved: np.ndarray
     x: np.ndarray
     xs: np.ndarray
+    sh: np.ndarray  # shared_with_previous_bytes (n + 1, 0 at n): a kept block after a checkpointed one holds it too
+    o: np.ndarray  # input_saved_by_previous_bytes (n + 1, 0 at n): a segment after a kept block finds it resident
     ft: np.ndarray
     W: np.ndarray  # prefix sums of saved (n + 1)
     P: np.ndarray  # prefix sums of block recompute (n + 1)
@@ -152,6 +154,8 @@ def _arrays(cost: StepCost, metric: str) -> _Arrays:
 
     saved, x, xs, out = col("saved_bytes"), col("input_bytes"), col("input_saved_bytes"), col("output_bytes")
     ft, bt, grad = col("fwd_transient_bytes"), col("bwd_transient_bytes"), col("grad_bytes")
+    sh = np.concatenate((col("shared_with_previous_bytes"), np.zeros(1, dtype=i64)))
+    o = np.concatenate((col("input_saved_by_previous_bytes"), np.zeros(1, dtype=i64)))
     G = np.zeros(n, dtype=i64)
     if n:
         # grads_after[i] = outside_grad + sum(grad[i+1:])
@@ -168,7 +172,13 @@ def _arrays(cost: StepCost, metric: str) -> _Arrays:
     K[1:] = P[1:] - np.array(tails, dtype=cdt)
     fwd_grads = cost.grad_bytes if cost.grads_live_in_forward else 0
     static = cost.static_bytes + cost.pre_saved_bytes
-    keep_need = static + saved + out + np.maximum(fwd_grads + ft, G + bt)
+    os_ = col("output_saved_bytes")
+    # [constraint] a kept block: forward (its output not counted twice when it saves it)
+    # or backward (the gradient of its output) on top of what it saved
+    keep_need = static + saved + np.maximum(fwd_grads + out - os_ + ft, G + out + bt)
+    # the end (the head) finds the last block's output resident when that block is kept and saved it
+    if n:
+        o[n] = os_[-1]
     chains = np.array([b.chains_from_previous for b in blocks], dtype=bool)
     next_break = np.full(n, n, dtype=np.int64)
     nb = n
@@ -184,16 +194,18 @@ def _arrays(cost: StepCost, metric: str) -> _Arrays:
         static=static,
         fwd_grads=fwd_grads,
         outside_grad=cost.outside_grad_bytes,
-        end_need=static + cost.post_saved_bytes + max(fwd_grads, cost.outside_grad_bytes),
+        end_need=end_need(cost),
         opt_need=cost.static_bytes + cost.grad_bytes + cost.optimizer_transient_bytes,
         saved=saved,
         x=x,
         xs=xs,
+        sh=sh,
+        o=o,
         ft=ft,
         W=W,
         P=P,
         K=K,
-        f=saved + out + ft,
+        f=saved + out - os_ + ft,
         inner=v + bt,
         v=v,
         bt=bt,
@@ -274,11 +286,12 @@ def solve_chain(
     """
     a = _arrays(cost, metric)
     budget = int(budget_bytes)
-    if a.opt_need > budget or a.end_need > budget:
+    end_relief = int(a.o[a.n])  # a kept last block may already hold what the head runs on
+    if a.opt_need > budget or a.end_need - end_relief > budget:
         return None
     max_len = a.n if max_segment_blocks is None else max(1, int(max_segment_blocks))
     lb = _PrefixBound(a)
-    if lb.total(budget - a.end_need) == math.inf:
+    if lb.total(budget - a.end_need + end_relief) == math.inf:
         return None
     if stats is not None:
         stats.clear()
@@ -311,9 +324,10 @@ def _segment_need_rows(a: _Arrays, p0: int, p1: int, width: int) -> np.ndarray:
         return np.lib.stride_tricks.sliding_window_view(ext, width)[: p1 - p0]
 
     rows = slice(p0, p1)
-    # [constraint] forward: block b runs on top of the boundary x_p (none for b = p).
+    # [constraint] forward: block b runs on top of the boundary x_p (for b = p on its
+    # input, less the part of it that block p saves itself).
     fwd = win(a.f) + a.x[rows, None]
-    fwd[:, 0] = a.f[rows]
+    fwd[:, 0] -= a.xs[rows]
     np.maximum.accumulate(fwd, axis=1, out=fwd)
     fwd += a.static + a.fwd_grads
     # [constraint] backward: the interior is rebuilt at once on top of the boundary; the
@@ -355,7 +369,8 @@ def _solve(
     forever = np.minimum(np.minimum(a.next_break - 1, p_all + max_len - 1), n - 1)
     forever = np.minimum(forever, np.searchsorted(a.W, room + a.W[1:], side="right") - 2)
     # exact for this start: the rebuilt interior alone (with its boundary) must fit
-    reach = np.minimum(forever, np.searchsorted(a.W, room - a.x + a.xs + a.W[:-1], side="right") - 2)
+    # (less what a kept predecessor may already hold of the boundary)
+    reach = np.minimum(forever, np.searchsorted(a.W, room - a.x + a.xs + a.o[:-1] + a.W[:-1], side="right") - 2)
     widths = np.maximum(reach - p_all + 1, 0)
     need_rows = None
     need_p0 = n
@@ -365,6 +380,8 @@ def _solve(
     FB: list = [None] * (n + 1)
     FD[n] = np.array([a.end_need], dtype=i64)
     FC[n] = np.zeros(1, dtype=cdt)
+    # the end acts as a segment start whose boundary is the last block's output (`o[n]`)
+    FB[n] = np.full(1, SEG, dtype=i64)
 
     # The pool of segment continuations: option (D, Ct = K_q + C, back pointer to F_q),
     # in the order of insertion: the pointers (q in the high bits) fall along it.
@@ -380,23 +397,26 @@ def _solve(
         if m > ar.shape[0]:
             ar = np.arange(2 * m, dtype=i64)
         keep_b = ((q1 << QS) + IDX) - ar[:m]
-        # ---- the new options (segments ending at p, i.e. q = p + 1)
+        # states of F_q whose suffix starts with a segment (the others keep block q)
+        seg_q = (FB[q1] & SEG) != 0
+        # ---- the new options (segments ending at p, i.e. q = p + 1). Block p is then
+        # checkpointed, so a suffix that keeps block q also holds what q shares with p.
         if m:
-            new_c = nc + a.K[q1]
+            opt_d, opt_c, opt_b = _pareto_prune(nd + np.where(seg_q, 0, a.sh[q1]), nc + a.K[q1], keep_b)
             if pool_d.shape[0]:
                 # [dominance] older (longer) options beaten by a new one, where valid.
-                ext = np.empty(m + 1, dtype=cdt)
+                ext = np.empty(opt_d.shape[0] + 1, dtype=cdt)
                 ext[0] = c_top
-                ext[1:] = new_c
-                beaten = ext[np.searchsorted(nd, pool_d, side="right")] <= pool_c
+                ext[1:] = opt_c
+                beaten = ext[np.searchsorted(opt_d, pool_d, side="right")] <= pool_c
                 if not v_rises:
                     beaten &= a.v[p] <= a.v[(pool_b >> QS) - 1]
                 if beaten.any():
                     live = ~beaten
                     pool_d, pool_c, pool_b = pool_d[live], pool_c[live], pool_b[live]
-            pool_d = np.concatenate((pool_d, nd))
-            pool_c = np.concatenate((pool_c, new_c))
-            pool_b = np.concatenate((pool_b, keep_b))
+            pool_d = np.concatenate((pool_d, opt_d))
+            pool_c = np.concatenate((pool_c, opt_c))
+            pool_b = np.concatenate((pool_b, opt_b))
 
         if pool_d.shape[0]:
             # [expiry] options ending past `forever[p]` (they sit at the front of the pool)
@@ -415,8 +435,15 @@ def _solve(
                 if not alive.all():
                     pool_d, pool_c, pool_b = pool_d[alive], pool_c[alive], pool_b[alive]
 
-        # ---- candidates: keep block p, then every pool option that reaches p as a segment
-        kd = np.maximum(a.keep_need[p], a.saved[p] + nd)
+        # ---- candidates: keep block p (a suffix that opens a segment at q finds its
+        # boundary resident when p saved it), then every pool option that reaches p as
+        # a segment. The two kinds are pruned apart: the element before p shifts them
+        # differently (`memory_model.boundary_shifts`).
+        kd = np.maximum(a.keep_need[p], a.saved[p] + nd - np.where(seg_q, a.o[q1], 0))
+        ok = kd <= budget
+        if capped:
+            ok &= nc <= cap
+        k_d, k_c, k_b = _pareto_prune(kd[ok], nc[ok], keep_b[ok])
         w = int(widths[p])
         start = pool_b.shape[0] - int(np.searchsorted(pool_b[::-1], (p + w + 1) << QS, side="left")) if w else 0
         if w and start < pool_b.shape[0]:
@@ -426,36 +453,23 @@ def _solve(
                 need_rows, need_p0 = _segment_need_rows(a, p0, p + 1, width), p0
             ob = pool_b[start:]
             sd = np.maximum(need_rows[p - need_p0][(ob >> QS) - q1], pool_d[start:] + a.x[p])
-            cand_d = np.concatenate((kd, sd))
-            cand_c = np.concatenate((nc, pool_c[start:] - a.P[p]))
-            cand_b = np.concatenate((keep_b, ob | SEG))
+            sc = pool_c[start:] - a.P[p]
+            # a kept block p - 1 may lower the demand by what it saved of the boundary
+            ok = sd - a.o[p] <= budget
+            if capped:
+                ok &= sc <= cap
+            s_d, s_c, s_b = _pareto_prune(sd[ok], sc[ok], ob[ok] | SEG)
+            cand_d = np.concatenate((k_d, s_d))
+            cand_c = np.concatenate((k_c, s_c))
+            cand_b = np.concatenate((k_b, s_b))
+            relief = np.concatenate((np.zeros(k_d.shape[0], dtype=i64), np.full(s_d.shape[0], a.o[p], dtype=i64)))
         else:
-            cand_d, cand_c, cand_b = kd, nc, keep_b
-        ok = cand_d <= budget
-        if capped:
-            ok &= cand_c <= cap
-        if not ok.all():
-            cand_d, cand_c, cand_b = cand_d[ok], cand_c[ok], cand_b[ok]
-        # ---- [recurrence] Pareto prune: D ascending, keep strictly falling C
-        if cand_d.shape[0] > 1:
-            order = np.argsort(cand_d, kind="stable")
-            cs = cand_c[order]
-            keep = np.empty(cs.shape[0], dtype=bool)
-            keep[0] = True
-            np.less(cs[1:], np.minimum.accumulate(cs)[:-1], out=keep[1:])
-            order = order[keep]
-            ds = cand_d[order]
-            # equal D are not ordered by C: of a run of equal D the last kept has the least C
-            if ds.shape[0] > 1:
-                last = np.empty(ds.shape[0], dtype=bool)
-                last[-1] = True
-                np.not_equal(ds[:-1], ds[1:], out=last[:-1])
-                if not last.all():
-                    order, ds = order[last], ds[last]
-            cand_d, cand_c, cand_b = ds, cand_c[order], cand_b[order]
+            cand_d, cand_c, cand_b = k_d, k_c, k_b
+            relief = np.zeros(k_d.shape[0], dtype=i64)
         if p > 0 and cand_d.shape[0] and (capped or beam):
             # [bound] the prefix before p must leave at most budget - D resident
-            score = cand_c + lb.bound(p, budget - cand_d)
+            # (budget - D + relief when the element before p can lower D by `relief`)
+            score = cand_c + lb.bound(p, budget - cand_d + relief)
             ok = score <= cap_eff
             if beam and cand_d.shape[0] > beam:
                 best = np.zeros(cand_d.shape[0], dtype=bool)
@@ -475,8 +489,8 @@ def _solve(
 
     if FD[0].shape[0] == 0:
         return None
-    # the last state has the least cost; it is the lowest demand among those of that cost
-    k = FD[0].shape[0] - 1
+    # least cost, then the lowest demand (nothing precedes block 0: no shift)
+    k = int(np.lexsort((FD[0], FC[0]))[0])
     best_cost = FC[0][k]
     peak = max(int(FD[0][k]), a.opt_need)
     segs: Segments = []
@@ -488,6 +502,28 @@ def _solve(
             segs.append((p, q - 1))
         p = q
     return ChainSolution(best_cost.item(), peak, segs)
+
+
+def _pareto_prune(d: np.ndarray, c: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[recurrence] The states no other beats or equals on both D and C: D ascending,
+    C strictly falling; of equal D only the least C."""
+    if d.shape[0] <= 1:
+        return d, c, b
+    order = np.argsort(d, kind="stable")
+    cs = c[order]
+    keep = np.empty(cs.shape[0], dtype=bool)
+    keep[0] = True
+    np.less(cs[1:], np.minimum.accumulate(cs)[:-1], out=keep[1:])
+    order = order[keep]
+    ds = d[order]
+    # equal D are not ordered by C: of a run of equal D the last kept has the least C
+    if ds.shape[0] > 1:
+        last = np.empty(ds.shape[0], dtype=bool)
+        last[-1] = True
+        np.not_equal(ds[:-1], ds[1:], out=last[:-1])
+        if not last.all():
+            order, ds = order[last], ds[last]
+    return ds, c[order], b[order]
 
 
 # ----------------------------------------------------------------------------- reference

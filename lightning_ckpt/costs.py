@@ -21,7 +21,18 @@ class BlockCost:
     input_bytes: the block's input (the boundary kept when a segment starts here).
     input_saved_bytes: the part of `input_bytes` that is also in `saved_bytes`
         (the block's own ops save their input, e.g. a pre-norm LayerNorm).
+    shared_with_previous_bytes: storages this block's ops save that the previous
+        block's ops saved first (typically the previous block's output, kept by a
+        final ReLU there and by the first conv here). A storage counts once, with
+        the first block that saves it, so these are not in `saved_bytes`; they are
+        resident on this block's account only when this block is kept and the
+        previous one is checkpointed.
+    input_saved_by_previous_bytes: the block's input storage when the previous
+        block's ops saved it; a segment starting here then finds its boundary
+        already resident if the previous block is kept.
     output_bytes: the block's output; in backward the gradient of it is this large.
+    output_saved_bytes: the part of `output_bytes` that is also in `saved_bytes`
+        (the block's last op saves its result, e.g. a ReLU); not counted twice.
     fwd_transient_bytes: peak extra bytes live during the block's forward beyond
         what it saves and returns (scratch space).
     bwd_transient_bytes: peak extra bytes during the block's backward beyond what
@@ -39,7 +50,10 @@ class BlockCost:
     saved_bytes: int
     input_bytes: int
     input_saved_bytes: int = 0
+    shared_with_previous_bytes: int = 0
+    input_saved_by_previous_bytes: int = 0
     output_bytes: int = 0
+    output_saved_bytes: int = 0
     fwd_transient_bytes: int = 0
     bwd_transient_bytes: int = 0
     grad_bytes: int = 0
@@ -61,6 +75,17 @@ class BlockCost:
                 f"BlockCost {self.name!r}: input_saved_bytes={self.input_saved_bytes} exceeds "
                 f"input_bytes={self.input_bytes}; a block cannot save more of its input than it receives."
             )
+        if self.output_saved_bytes > self.output_bytes:
+            raise ValueError(
+                f"BlockCost {self.name!r}: output_saved_bytes={self.output_saved_bytes} exceeds "
+                f"output_bytes={self.output_bytes}; a block cannot save more of its output than it returns."
+            )
+        if self.input_saved_by_previous_bytes > self.input_bytes:
+            raise ValueError(
+                f"BlockCost {self.name!r}: input_saved_by_previous_bytes={self.input_saved_by_previous_bytes} "
+                f"exceeds input_bytes={self.input_bytes}; the previous block cannot have saved more of this "
+                "block's input than there is."
+            )
 
 
 @dataclass(frozen=True)
@@ -71,7 +96,10 @@ class StepCost:
     outside_grad_bytes: gradients of trainable parameters outside the blocks.
     pre_saved_bytes: activations saved before the first block (embedding, ...).
     post_saved_bytes: activations saved after the last block (pooling, head, loss),
-        plus the transient peak there.
+        plus the transient peak there, up to the first block gradient (so it
+        includes the head's backward and the gradient of the last block's output).
+    post_forward_bytes: the same peak, but over the forward only (the head and the
+        loss); None when not measured, then `post_saved_bytes` stands in for it.
     grads_live_in_forward: parameter gradients of the previous step are still
         allocated during the forward (Lightning zeroes them after the forward).
     optimizer_transient_bytes: scratch space of the optimizer step.
@@ -83,6 +111,7 @@ class StepCost:
     outside_grad_bytes: int = 0
     pre_saved_bytes: int = 0
     post_saved_bytes: int = 0
+    post_forward_bytes: int | None = None
     grads_live_in_forward: bool = True
     optimizer_transient_bytes: int = 0
     meta: dict = field(default_factory=dict, compare=False, hash=False)
@@ -102,6 +131,7 @@ class StepCost:
             "outside_grad_bytes": self.outside_grad_bytes,
             "pre_saved_bytes": self.pre_saved_bytes,
             "post_saved_bytes": self.post_saved_bytes,
+            "post_forward_bytes": self.post_forward_bytes,
             "grads_live_in_forward": self.grads_live_in_forward,
             "optimizer_transient_bytes": self.optimizer_transient_bytes,
             "blocks": [dataclasses.asdict(b) for b in self.blocks],

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from lightning_ckpt.costs import StepCost
 from lightning_ckpt.memory_model import (
     block_recompute,
+    end_need,
     predict_peak,
     recompute_cost,
     segment_of,
@@ -135,12 +136,15 @@ def _elements_from(
     static = cost.static_bytes + cost.pre_saved_bytes
     blk = blocks[a]
     # [constraint] a kept block: its forward and its backward on top of earlier blocks.
-    need = static + blk.saved_bytes + blk.output_bytes + max(
-        fwd_grads + blk.fwd_transient_bytes, grads_after[a] + blk.bwd_transient_bytes
+    need = static + blk.saved_bytes + max(
+        fwd_grads + blk.output_bytes - blk.output_saved_bytes + blk.fwd_transient_bytes,
+        grads_after[a] + blk.output_bytes + blk.bwd_transient_bytes,
     )
     yield _Element(a, a, False, blk.saved_bytes, need, 0.0)
     x_a = blk.input_bytes
     base = static + x_a - blk.input_saved_bytes
+    # the smallest base any predecessor allows (a kept one may already hold the boundary)
+    least_base = base - blk.input_saved_by_previous_bytes
     fwd_need = 0
     saved_sum = 0  # S(a..b)
     scratch = 0  # largest forward scratch in the segment (the recompute's)
@@ -151,12 +155,13 @@ def _elements_from(
             break
         bb = blocks[b]
         saved_sum += bb.saved_bytes
-        if base + cost.outside_grad_bytes + saved_sum > room:
+        if least_base + cost.outside_grad_bytes + saved_sum > room:
             break  # [constraint] the rebuilt interior only grows with the segment
         run_cost += block_recompute(bb, metric)
         scratch = max(scratch, bb.fwd_transient_bytes)
-        boundary = x_a if b > a else 0
-        fwd_need = max(fwd_need, static + fwd_grads + boundary + bb.saved_bytes + bb.output_bytes + bb.fwd_transient_bytes)
+        # the segment's first block runs on top of its input, later ones on the boundary
+        boundary = x_a if b > a else x_a - blk.input_saved_bytes
+        fwd_need = max(fwd_need, static + fwd_grads + boundary + bb.saved_bytes + bb.output_bytes - bb.output_saved_bytes + bb.fwd_transient_bytes)
         # [constraint] backward of the segment: its interior is rebuilt at once on top of
         # the boundary; block k's backward then runs with blocks a..k still rebuilt.
         last = grads_after[b] + saved_sum + bb.output_bytes + max(bb.bwd_transient_bytes, scratch)
@@ -211,27 +216,41 @@ def _least_recompute(
         acc += cost.blocks[i].grad_bytes
     fwd_grads = cost.grad_bytes if cost.grads_live_in_forward else 0
     static = cost.static_bytes + cost.pre_saved_bytes
-    end_need = static + cost.post_saved_bytes + max(fwd_grads, cost.outside_grad_bytes)
+    end = end_need(cost)
     opt_need = cost.static_bytes + cost.grad_bytes + cost.optimizer_transient_bytes
     if opt_need > budget_bytes:
         return None
 
-    # frontier[p]: list of (R, C, back) with back = (prev_position, prev_state_index, element)
+    # frontier[p]: list of (R, C, back, last_kept) with back = (prev_position,
+    # prev_state_index, element); last_kept: block p - 1 is kept (decides the
+    # `boundary_shifts` correction of the next element).
     frontier: list[list[tuple]] = [[] for _ in range(n + 1)]
-    frontier[0] = [(0, 0.0, None)]
+    frontier[0] = [(0, 0.0, None, False)]
     for p in range(n):
         states = frontier[p]
         if not states:
             continue
         min_r = min(st[0] for st in states)
         elements = list(_elements_from(cost, p, grads_after, fwd_grads, max_len, metric, budget_bytes - min_r))
-        for si, (r, c, _) in enumerate(states):
+        blk = cost.blocks[p]
+        for si, (r, c, _, last_kept) in enumerate(states):
             for el in elements:
-                if r + el.need_bytes <= budget_bytes and c + el.cost <= cost_cap:
-                    frontier[el.last + 1].append((r + el.resident_bytes, c + el.cost, (p, si, el)))
-        # [recurrence] position p+1 has received from every source (all q <= p): prune it.
-        frontier[p + 1] = _pareto(frontier[p + 1])
-    finals = [st for st in frontier[n] if st[0] + end_need <= budget_bytes]
+                if el.checkpointed:
+                    shift = -blk.input_saved_by_previous_bytes if last_kept else 0
+                else:
+                    shift = 0 if last_kept else blk.shared_with_previous_bytes
+                if r + el.need_bytes + shift <= budget_bytes and c + el.cost <= cost_cap:
+                    frontier[el.last + 1].append(
+                        (r + el.resident_bytes + shift, c + el.cost, (p, si, el), not el.checkpointed)
+                    )
+        # [recurrence] position p+1 has received from every source (all q <= p): prune
+        # it, separately by whether block p is kept (the next element's shift differs).
+        frontier[p + 1] = _pareto([st for st in frontier[p + 1] if st[3]]) + _pareto(
+            [st for st in frontier[p + 1] if not st[3]]
+        )
+    # the head runs on the last block's output, already resident if that block is kept and saved it
+    last_saved = cost.blocks[-1].output_saved_bytes if n else 0
+    finals = [st for st in frontier[n] if st[0] + end - (last_saved if st[3] else 0) <= budget_bytes]
     if not finals:
         return None
     best = min(finals, key=lambda st: (st[1], st[0]))

@@ -16,7 +16,10 @@ _BLOCK_LINEAR = (
     "saved_bytes",
     "input_bytes",
     "input_saved_bytes",
+    "shared_with_previous_bytes",
+    "input_saved_by_previous_bytes",
     "output_bytes",
+    "output_saved_bytes",
     "fwd_transient_bytes",
     "bwd_transient_bytes",
     "fwd_flops",
@@ -66,12 +69,18 @@ class Profile:
                 v = max(0.0, _line(x1, getattr(b1, f), x2, getattr(b2, f), batch_size))
                 kw[f] = v if f == "fwd_ms" else int(round(v))
             kw["input_saved_bytes"] = min(kw["input_saved_bytes"], kw["input_bytes"])
+            kw["output_saved_bytes"] = min(kw["output_saved_bytes"], kw["output_bytes"])
+            kw["input_saved_by_previous_bytes"] = min(kw["input_saved_by_previous_bytes"], kw["input_bytes"])
             kw["tail_flops"] = min(kw["tail_flops"], kw["fwd_flops"])
             kw["chains_from_previous"] = b1.chains_from_previous and b2.chains_from_previous
             blocks.append(BlockCost(**kw))
         fields = {
             f: int(round(max(0.0, _line(x1, getattr(p1, f), x2, getattr(p2, f), batch_size)))) for f in _STEP_LINEAR
         }
+        if p1.post_forward_bytes is not None and p2.post_forward_bytes is not None:
+            fields["post_forward_bytes"] = int(
+                round(max(0.0, _line(x1, p1.post_forward_bytes, x2, p2.post_forward_bytes, batch_size)))
+            )
         meta = {"step_fwd_flops": max(0.0, _line(x1, p1.meta.get("step_fwd_flops", 0), x2, p2.meta.get("step_fwd_flops", 0), batch_size))}
         base = {
             "static_bytes": p1.static_bytes,

@@ -152,7 +152,11 @@ class _Probe:
         self.input_key: list[Any] = [None] * n
         self.input_bytes = [0] * n
         self.input_saved = [0] * n
+        self.shared_prev = [0] * n
+        self.shared_keys: list[set] = [set() for _ in range(n)]
+        self.input_by_prev = [0] * n
         self.output_bytes = [0] * n
+        self.output_saved = [0] * n
         self.fwd_transient = [0] * n
         self.bwd_transient = [0] * n
         self.fwd_flops = [0] * n
@@ -162,6 +166,7 @@ class _Probe:
         self.live_entry = [0] * n
         self.pre_bytes = 0
         self.post_peak = 0
+        self.post_fwd_peak: int | None = None
         self.live_after_last = 0
         self.prev_output: Any = None
         self.bwd_open: int | None = None  # block whose backward window is open
@@ -185,6 +190,8 @@ class _Probe:
         self.current = i
         self.input_key[i] = _storage_key(first) if first is not None else None
         self.input_bytes[i] = storage_bytes(first) if first is not None else 0
+        if i > 0 and self.input_key[i] is not None and self.owner.get(self.input_key[i]) == i - 1:
+            self.input_by_prev[i] = self.input_bytes[i]
         self.live_entry[i] = self.tracker.live_bytes
         if i == 0:
             own = self.input_bytes[0] if self.input_key[0] in self.tracker._live else 0
@@ -199,6 +206,8 @@ class _Probe:
         self.prev_output = out
         live = self.tracker.live_bytes
         self.output_bytes[i] = storage_bytes(out) if out is not None else 0
+        if out is not None and self.owner.get(_storage_key(out)) == i:
+            self.output_saved[i] = self.output_bytes[i]
         self.fwd_transient[i] = max(0, self.tracker.peak_bytes - live)
         self.fwd_flops[i] = self.flops.get_total_flops() - self.flops_at_entry[i]
         self.current = None
@@ -214,12 +223,19 @@ class _Probe:
         if i is not None:
             key = _storage_key(t)
             base = t if t._base is None else t._base
-            if key is not None and key not in self.param_keys and id(base) not in self.param_ids and key not in self.owner:
-                self.owner[key] = i
-                nbytes = storage_bytes(t)
-                self.saved[i] += nbytes
-                if key == self.input_key[i]:
-                    self.input_saved[i] = nbytes
+            if key is not None and key not in self.param_keys and id(base) not in self.param_ids:
+                first_owner = self.owner.get(key)
+                if first_owner is None:
+                    self.owner[key] = i
+                    nbytes = storage_bytes(t)
+                    self.saved[i] += nbytes
+                    if key == self.input_key[i]:
+                        self.input_saved[i] = nbytes
+                elif first_owner == i - 1 and key not in self.shared_keys[i]:
+                    # [constraint] saved by the previous block too: counted there, and
+                    # here only when that block is checkpointed and this one kept.
+                    self.shared_keys[i].add(key)
+                    self.shared_prev[i] += storage_bytes(t)
             self.flops_at_last_pack[i] = self.flops.get_total_flops()
         return t
 
@@ -280,6 +296,8 @@ def probe_step(
             with flops, tracker:
                 with torch.autograd.graph.saved_tensors_hooks(probe.pack, probe.unpack):
                     loss = _as_loss(step_fn(batch))
+                if probe.post_open:  # the forward is over: the head's and the loss's peak so far
+                    probe.post_fwd_peak = max(0, tracker.peak_bytes - probe.live_after_last)
                 step_fwd_flops = flops.get_total_flops()
                 loss.backward()
                 probe._close_window()
@@ -301,7 +319,10 @@ def probe_step(
             saved_bytes=probe.saved[i],
             input_bytes=probe.input_bytes[i],
             input_saved_bytes=probe.input_saved[i],
+            shared_with_previous_bytes=probe.shared_prev[i],
+            input_saved_by_previous_bytes=probe.input_by_prev[i],
             output_bytes=probe.output_bytes[i],
+            output_saved_bytes=probe.output_saved[i],
             fwd_transient_bytes=probe.fwd_transient[i],
             bwd_transient_bytes=probe.bwd_transient[i],
             grad_bytes=_grad_bytes(blocks[i]),
@@ -318,6 +339,7 @@ def probe_step(
         outside_grad_bytes=max(0, outside_grad),
         pre_saved_bytes=probe.pre_bytes,
         post_saved_bytes=probe.post_peak,
+        post_forward_bytes=probe.post_fwd_peak,
         meta={"step_fwd_flops": int(step_fwd_flops)},
     )
 

@@ -31,13 +31,21 @@ def rich_cost(rng: random.Random, n: int, huge: bool = True) -> StepCost:
         saved = rng.choice((0, rng.randint(0, 300)))
         saves_input = rng.random() < 0.5
         flops = unit * rng.choice((0, rng.randint(1, 8), rng.randint(1, 60)))
+        # storages saved by this block and the previous one too (e.g. its output kept by a
+        # ReLU there and by a conv here): the `boundary_shifts` corrections
+        shared = rng.choice((0, 0, x, rng.randint(0, 50))) if i else 0
+        by_prev = rng.choice((0, 0, x, rng.randint(0, x))) if i else 0
+        out = rng.choice((0, rng.randint(1, 40)))
         blocks.append(
             BlockCost(
                 f"b{i}",
                 saved_bytes=saved + (x if saves_input else 0),
                 input_bytes=x,
                 input_saved_bytes=x if saves_input else 0,
-                output_bytes=rng.choice((0, rng.randint(1, 40))),
+                shared_with_previous_bytes=shared,
+                input_saved_by_previous_bytes=by_prev,
+                output_bytes=out,
+                output_saved_bytes=rng.choice((0, out, rng.randint(0, out))),
                 fwd_transient_bytes=rng.choice((0, rng.randint(0, 80))),
                 bwd_transient_bytes=rng.choice((0, rng.randint(0, 80))),
                 grad_bytes=rng.choice((0, rng.randint(0, 20), rng.randint(0, 400))),
@@ -53,6 +61,7 @@ def rich_cost(rng: random.Random, n: int, huge: bool = True) -> StepCost:
         outside_grad_bytes=rng.randint(0, 30),
         pre_saved_bytes=rng.randint(0, 30),
         post_saved_bytes=rng.randint(0, 80),
+        post_forward_bytes=rng.choice((None, rng.randint(0, 80))),
         grads_live_in_forward=rng.random() < 0.5,
         optimizer_transient_bytes=rng.choice((0, rng.randint(0, 200))),
     )
