@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import _checkpoint_without_reentrant_generator
 
+from lightning_ckpt.chaining import receives_output, tensor_version
+
 __all__ = ["AppliedPlan", "apply_segments", "BatchNormGuard"]
 
 
@@ -78,6 +80,7 @@ class _Segment:
         self._gen = None
         self._calls: list[tuple[tuple, dict]] = []
         self._last_out: Any = None
+        self._last_version: int | None = None
         self._handles: list[Any] = []
 
     # -- context for the recompute only
@@ -86,7 +89,9 @@ class _Segment:
         return contextlib.nullcontext(), _RecomputeContext(self, guard)
 
     # -- the function the recompute reruns: the whole segment from its input, with the
-    # extra arguments each later block received in that same forward (`calls`).
+    # extra arguments each later block received in that same forward (`calls`). Each block
+    # is called as a module, so other libraries' hooks fire again as in the forward (under
+    # ZeRO-3, DeepSpeed gathers the block's parameters and re-wraps its input and output).
     def recompute(self, calls: list, *args: Any, **kwargs: Any) -> Any:
         out = self.blocks[0](*args, **kwargs)
         for k, blk in enumerate(self.blocks[1:], start=1):
@@ -119,12 +124,16 @@ class _Segment:
             return
         if self._gen is None:
             return
-        if not args or args[0] is not self._last_out:
+        # the previous block's output itself, or an alias of it that identity autograd Functions
+        # put in between (DeepSpeed ZeRO-3 wraps every module's inputs and outputs): `receives_output`
+        if not args or not receives_output(args[0], self._last_out, self._last_version):
             self._abandon()
             raise RuntimeError(
                 f"block {self.first_index + k} of a checkpointed segment did not receive the previous block's "
-                "output as its first argument, so the segment cannot be rebuilt from its input. Give such "
-                "blocks a segment each (policy='full') or pass the chain's blocks in call order."
+                "output as its first argument (the same tensor or an unmodified alias of it: same storage, "
+                "offset, shape, strides, dtype and requires_grad, not written in place), so the segment cannot be "
+                "rebuilt from its input. Give such blocks a segment each (policy='full') or pass the chain's "
+                "blocks in call order."
             )
         self._calls[k] = (tuple(args[1:]), dict(kwargs))
 
@@ -135,6 +144,7 @@ class _Segment:
         if k == len(self.blocks) - 1:
             gen, self._gen = self._gen, None
             self._last_out = None
+            self._last_version = None
             try:
                 next(gen)
             except StopIteration:
@@ -143,10 +153,12 @@ class _Segment:
                 raise AssertionError("checkpoint generator was not exhausted")
         else:
             self._last_out = _first_tensor(output)
+            self._last_version = tensor_version(self._last_out)
 
     def _abandon(self) -> None:
         gen, self._gen = self._gen, None
         self._last_out = None
+        self._last_version = None
         if gen is not None:
             gen.close()
 
@@ -171,6 +183,7 @@ class _Segment:
         state = dict(self.__dict__)
         state["_gen"] = None
         state["_last_out"] = None
+        state["_last_version"] = None
         state["_calls"] = []
         return state
 

@@ -42,8 +42,8 @@ class BlockCost:
     tail_flops: FLOPs of the ops after the block's last saved tensor. When the block
         ends a segment, torch's early stop skips them in the recompute.
     fwd_ms: measured forward wall time, milliseconds.
-    chains_from_previous: the block's first input is the previous block's output
-        (needed to run several blocks inside one checkpointed segment).
+    chains_from_previous: the block's first input is the previous block's output, or an alias of
+        it (`chaining.receives_output`); needed to run several blocks in one checkpointed segment.
     """
 
     name: str

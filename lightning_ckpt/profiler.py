@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_ckpt.chaining import receives_output, tensor_version
 from lightning_ckpt.costs import BlockCost, StepCost
 from lightning_ckpt.profile import Profile
 from lightning_ckpt.tracker import LiveBytesTracker, _storage_key, storage_bytes
@@ -169,6 +170,7 @@ class _Probe:
         self.post_fwd_peak: int | None = None
         self.live_after_last = 0
         self.prev_output: Any = None
+        self.prev_version: int | None = None
         self.bwd_open: int | None = None  # block whose backward window is open
         self.bwd_start_live = 0
         self.post_open = False
@@ -186,7 +188,8 @@ class _Probe:
         self.next_block = i + 1
         first = _first_tensor(args) if args else _first_tensor(kwargs)
         if i > 0:
-            self.chains[i] = bool(args) and args[0] is self.prev_output
+            # the previous output itself, or an alias of it (ZeRO-3 re-wraps it): see `receives_output`
+            self.chains[i] = bool(args) and receives_output(args[0], self.prev_output, self.prev_version)
         self.current = i
         self.input_key[i] = _storage_key(first) if first is not None else None
         self.input_bytes[i] = storage_bytes(first) if first is not None else 0
@@ -204,6 +207,7 @@ class _Probe:
         i = self._index(module)
         out = _first_tensor(output)
         self.prev_output = out
+        self.prev_version = tensor_version(out)
         live = self.tracker.live_bytes
         self.output_bytes[i] = storage_bytes(out) if out is not None else 0
         if out is not None and self.owner.get(_storage_key(out)) == i:

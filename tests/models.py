@@ -73,3 +73,58 @@ def train_steps(model: nn.Module, batches, steps: int = 3, lr: float = 0.1):
         losses.append(loss.detach().clone())
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return losses, grads
+
+
+class IdentityWrap(torch.autograd.Function):
+    """An identity autograd Function like those DeepSpeed ZeRO-3 puts around every module's
+    inputs and outputs: the forward returns `x.detach()` (a new tensor object on the same
+    storage), the backward hands the gradient back unchanged."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def wrap_like_zero3(model: nn.Module) -> dict[nn.Module, int]:
+    """Hooks on every module of `model`, as DeepSpeed ZeRO-3 registers them: a forward pre-hook
+    replaces each tensor argument by `IdentityWrap.apply(arg)`, a forward hook the output.
+    Returns how many times each module's pre-hook ran (a recompute runs it again)."""
+    calls = {m: 0 for m in model.modules()}
+
+    def wrap(value):
+        if isinstance(value, torch.Tensor):
+            return IdentityWrap.apply(value)
+        if isinstance(value, (tuple, list)):
+            return type(value)(wrap(v) for v in value)
+        return value
+
+    def pre(module, args):
+        calls[module] += 1
+        return wrap(args)
+
+    for m in model.modules():
+        m.register_forward_pre_hook(pre)
+        m.register_forward_hook(lambda module, args, output: wrap(output))
+    return calls
+
+
+class FedChain(TinyChain):
+    """`TinyChain` whose forward passes `feed(x)`, not `x`, from each block to the next."""
+
+    def __init__(self, feed, **kw) -> None:
+        super().__init__(**kw)
+        self.feed = feed
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for k, blk in enumerate(self.blocks):
+            x = blk(self.feed(x) if k else x)
+        return self.head(x.mean(dim=1))

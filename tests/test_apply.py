@@ -10,7 +10,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ckpt.apply import apply_segments
-from models import TinyChain, TinyCNN, tokens_batch, train_steps
+from models import FedChain, IdentityWrap, TinyChain, TinyCNN, tokens_batch, train_steps, wrap_like_zero3
 
 SEGMENTATIONS = [
     [(0, 0)],
@@ -143,6 +143,48 @@ def test_segment_broken_chain_raises_clear_error():
     # the next forward works again
     out = model.blocks[1](model.blocks[0](x))
     out.sum().backward()
+
+
+@pytest.mark.parametrize("segments", [[(0, 1), (2, 3)], [(0, 3)], [(1, 3)]])
+def test_multi_block_segment_across_identity_functions_like_zero3(segments):
+    """DeepSpeed ZeRO-3 wraps every module's inputs and outputs in identity autograd Functions
+    (and its hooks fire again in the recompute): multi-block segments are accepted across them,
+    rebuilt through them, and train bit for bit as without checkpointing."""
+
+    def run(segments):
+        torch.manual_seed(0)
+        model = TinyChain(n_blocks=4, p=0.2)
+        calls = wrap_like_zero3(model)
+        if segments:
+            apply_segments(list(model.blocks), segments)
+        torch.manual_seed(123)
+        losses, grads = train_steps(model, [tokens_batch(seed=s) for s in range(2)], steps=2)
+        return losses, grads, [calls[b] for b in model.blocks]
+
+    ref_losses, ref_grads, ref_calls = run(None)
+    losses, grads, calls = run(segments)
+    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
+    assert ref_grads.keys() == grads.keys() and len(grads) > 0
+    for name in ref_grads:
+        assert torch.equal(ref_grads[name], grads[name]), name
+    # every checkpointed block ran again in the recompute, through the wrapping hooks
+    checkpointed = {i for a, b in segments for i in range(a, b + 1)}
+    assert calls == [c * (2 if i in checkpointed else 1) for i, c in enumerate(ref_calls)]
+
+
+@pytest.mark.parametrize(
+    "feed",
+    [lambda x: x.clone(), lambda x: x + 0, lambda x: IdentityWrap.apply(x.clone()), lambda x: x.detach(),
+     lambda x: x.mul_(2)],
+    ids=["clone", "plus_zero", "clone_in_identity_function", "detached", "written_in_place"],
+)
+def test_segment_rejects_a_copy_or_changed_output(feed):
+    torch.manual_seed(0)
+    model = FedChain(feed, n_blocks=3, p=0.0)
+    apply_segments(list(model.blocks), [(0, 1)])
+    x, y = tokens_batch()
+    with pytest.raises(RuntimeError, match="block 1 of a checkpointed segment did not receive the previous block's"):
+        model(x)
 
 
 def test_autocast_bf16_matches_without_checkpoint():

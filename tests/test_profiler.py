@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_ckpt.profiler import batch_size_of, probe_step, profile_model, slice_batch
-from models import TinyChain, TinyCNN, tokens_batch
+from models import FedChain, IdentityWrap, TinyChain, TinyCNN, tokens_batch, wrap_like_zero3
 
 
 def _chain_loss(model):
@@ -52,6 +52,40 @@ def test_probe_measures_what_the_block_saves():
     assert blk.fwd_flops == 2 * (2 * b * s * d * 4 * d)
     assert blk.grad_bytes == f * (2 * d + 4 * d * d + 4 * d + 4 * d * d + d)
     assert cost.blocks[1].chains_from_previous
+
+
+def test_blocks_chain_through_identity_functions_like_zero3():
+    """DeepSpeed ZeRO-3 wraps every module's inputs and outputs in identity autograd Functions,
+    so no block receives the previous block's output object; the blocks still chain."""
+    torch.manual_seed(0)
+    model = TinyChain(n_blocks=3, d=16, vocab=20, p=0.1)
+    wrap_like_zero3(model)
+    batch = tokens_batch(batch=2, seq=6, vocab=20)
+    cost = probe_step(model, list(model.blocks), _chain_loss(model), batch, timing=False)
+    assert [b.chains_from_previous for b in cost.blocks] == [True, True, True]
+
+
+FEEDS = {  # what the forward passes from one block to the next, and whether that chains
+    "itself": (lambda x: x, True),
+    "identity_function": (IdentityWrap.apply, True),
+    "two_identity_functions": (lambda x: IdentityWrap.apply(IdentityWrap.apply(x)), True),
+    "clone": (lambda x: x.clone(), False),
+    "plus_zero": (lambda x: x + 0, False),
+    "detached": (lambda x: x.detach(), False),  # same storage, but no longer requires grad
+    "clone_in_identity_function": (lambda x: IdentityWrap.apply(x.clone()), False),
+    "written_in_place": (lambda x: x.mul_(2), False),  # the same object, but not the values the block returned
+    "alias_written_in_place": (lambda x: IdentityWrap.apply(x).mul_(2), False),
+}
+
+
+@pytest.mark.parametrize("feed", FEEDS)
+def test_chain_check_tells_aliases_from_copies(feed):
+    fn, chains = FEEDS[feed]
+    torch.manual_seed(0)
+    model = FedChain(fn, n_blocks=3, d=16, vocab=20, p=0.0)
+    batch = tokens_batch(batch=2, seq=6, vocab=20)
+    cost = probe_step(model, list(model.blocks), _chain_loss(model), batch, timing=False)
+    assert [b.chains_from_previous for b in cost.blocks] == [True, chains, chains]
 
 
 def test_profiling_leaves_all_state_as_found():
