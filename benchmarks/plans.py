@@ -242,6 +242,23 @@ def forward_share(case: Case, steps: int, clock: str) -> float:
     return statistics.median(fwd) / statistics.median(step)
 
 
+def dropout_control(case: Case, repeats: int, steps: int, clock: str) -> float:
+    """`full` over `none` with every dropout of the model set to p = 0, timed
+    interleaved like the plans: how much of full's overhead is the dropout masks
+    that the recompute must draw again (on a CPU, `bernoulli_` is a serial RNG)."""
+    drops = [m for m in case.model.modules() if isinstance(m, torch.nn.Dropout)]
+    saved_p = [m.p for m in drops]
+    for m in drops:
+        m.p = 0.0
+    try:
+        none, full = Variant("none", ()), Variant("full", tuple((i, i) for i in range(len(case.blocks))))
+        time_variants(case, [none, full], repeats, steps, clock)
+    finally:
+        for m, p in zip(drops, saved_p):
+            m.p = p
+    return full.median_s / none.median_s
+
+
 def run_case(case: Case, repeats: int, steps: int, none_copies: int, clock: str) -> tuple[list[str], list[str], dict]:
     t0 = time.time()
     budgets, plans = plan_case(case)
@@ -326,6 +343,12 @@ def run_case(case: Case, repeats: int, steps: int, none_copies: int, clock: str)
         f"(not the 33 % of its FLOPs) and full recomputes {100 * recompute_of_forward:.0f} % of the forward's FLOPs: "
         f"one extra forward would be x{1 + share * recompute_of_forward:.2f}."
     )
+    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in case.model.modules()):
+        verdicts["full_ratio_no_dropout"] = dropout_control(case, max(3, repeats), steps, clock)
+        notes.append(
+            f"  control, same model with dropout p = 0: full x{verdicts['full_ratio_no_dropout']:.2f} of none "
+            "(the rest of full's overhead is redrawing the dropout masks in the recompute)."
+        )
     return rows, notes, verdicts
 
 
@@ -384,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"acceptance 3 (encoder): full step time x{r:.3f} of none (limit x1.40, noise {100 * (spread - 1):.1f} %): {verdict}"
         )
+        if "full_ratio_no_dropout" in verdicts["encoder"]:
+            print(f"  with dropout off: full x{verdicts['encoder']['full_ratio_no_dropout']:.3f} of none")
     return 0
 
 
