@@ -2,7 +2,8 @@
 
 Bytes and FLOPs of a step grow linearly with the batch size, so two probes give a
 line per quantity (`bytes = a + b * batch`) and a third probe checks it. `at(n)`
-returns the `StepCost` predicted for batch size `n`. Plain data, no torch.
+returns the `StepCost` predicted for batch size `n`, with the profile's machine
+rates (`meta["rates"]`) passed through. Plain data, no torch.
 """
 
 from __future__ import annotations
@@ -21,8 +22,14 @@ _BLOCK_LINEAR = (
     "bwd_transient_bytes",
     "fwd_flops",
     "tail_flops",
+    "fwd_mem_bytes",
+    "tail_mem_bytes",
+    "fwd_rng_bytes",
+    "tail_rng_bytes",
     "fwd_ms",
 )
+# each tail is part of its forward: (tail, whole)
+_TAILS = (("tail_flops", "fwd_flops"), ("tail_mem_bytes", "fwd_mem_bytes"), ("tail_rng_bytes", "fwd_rng_bytes"))
 _STEP_LINEAR = ("pre_saved_bytes", "post_saved_bytes")
 
 
@@ -66,13 +73,17 @@ class Profile:
                 v = max(0.0, _line(x1, getattr(b1, f), x2, getattr(b2, f), batch_size))
                 kw[f] = v if f == "fwd_ms" else int(round(v))
             kw["input_saved_bytes"] = min(kw["input_saved_bytes"], kw["input_bytes"])
-            kw["tail_flops"] = min(kw["tail_flops"], kw["fwd_flops"])
+            for tail, whole in _TAILS:
+                kw[tail] = min(kw[tail], kw[whole])
             kw["chains_from_previous"] = b1.chains_from_previous and b2.chains_from_previous
             blocks.append(BlockCost(**kw))
         fields = {
             f: int(round(max(0.0, _line(x1, getattr(p1, f), x2, getattr(p2, f), batch_size)))) for f in _STEP_LINEAR
         }
         meta = {"step_fwd_flops": max(0.0, _line(x1, p1.meta.get("step_fwd_flops", 0), x2, p2.meta.get("step_fwd_flops", 0), batch_size))}
+        for key in ("rates", "work"):  # measured once per profile, the same at every batch size
+            if key in p2.meta:
+                meta[key] = p2.meta[key]
         base = {
             "static_bytes": p1.static_bytes,
             "outside_grad_bytes": p1.outside_grad_bytes,
