@@ -13,13 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_ckpt.apply import AppliedPlan, apply_segments
 from lightning_ckpt.blocks import resolve_blocks
-from lightning_ckpt.costs import BlockCost, StepCost
+from lightning_ckpt.costs import BlockCost, MachineRates, StepCost
 from lightning_ckpt.measure import measure_step_peak
 from lightning_ckpt.memory_model import predict_peak, recompute_cost
 from lightning_ckpt.plan import Plan
 from lightning_ckpt.planner import POLICIES, InfeasibleBudgetError, make_plan
 from lightning_ckpt.profile import Profile
 from lightning_ckpt.profiler import profile_model
+from lightning_ckpt.rates import measure_rates
 from lightning_ckpt.static_memory import StaticMemory, static_memory
 from lightning_ckpt.tracker import LiveBytesTracker
 from lightning_ckpt.units import parse_bytes
@@ -36,6 +37,7 @@ __all__ = [
     "DeepSpeedStrategy",
     "InfeasibleBudgetError",
     "LiveBytesTracker",
+    "MachineRates",
     "POLICIES",
     "Plan",
     "Profile",
@@ -44,6 +46,7 @@ __all__ = [
     "ZeroMemory",
     "apply_segments",
     "make_plan",
+    "measure_rates",
     "measure_step_peak",
     "parse_bytes",
     "predict_peak",

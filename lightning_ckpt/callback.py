@@ -63,7 +63,11 @@ class ActivationCheckpointing(Callback):
         policy: ``optimal`` (least recompute that fits), ``greedy``, ``sqrt``, ``every_k``,
             ``full`` or ``none``.
         every_k: blocks per segment for ``policy="every_k"``; None picks the smallest k that fits.
-        cost_metric: what recompute is measured in when choosing: ``flops`` or ``ms``.
+        cost_metric: what recompute is measured in when choosing: ``flops`` (FLOPs counted by
+            torch: deterministic, but layer norm, softmax, GELU, dropout count 0), ``ms`` (each
+            block's forward timed once while profiling: noisy) or ``time`` (estimated ms: the
+            counted FLOPs, bytes written by ops without FLOPs and random bytes, each at a rate
+            measured once on this device; see `lightning_ckpt.rates`).
         batch_arg_name: attribute holding the loader's batch size (module, hparams or datamodule).
         probe_batch_sizes: the two small batch sizes profiled; bytes are fitted as a line in them.
         check_batch_size: a third size that checks the line (None to skip).
@@ -86,7 +90,7 @@ class ActivationCheckpointing(Callback):
         blocks: str | list[str] | None = None,
         policy: str = "optimal",
         every_k: int | None = None,
-        cost_metric: str = "flops",
+        cost_metric: Literal["flops", "ms", "time"] = "flops",
         batch_arg_name: str = "batch_size",
         probe_batch_sizes: tuple[int, int] = (1, 2),
         check_batch_size: int | None = 4,
@@ -133,7 +137,10 @@ class ActivationCheckpointing(Callback):
                 raise ValueError(f"every_k={every_k} only applies to policy='every_k', but policy={policy!r}; drop every_k or set policy='every_k'.")
         self.every_k = every_k
         if cost_metric not in COST_METRICS:
-            raise ValueError(f"cost_metric={cost_metric!r} is not known; choose 'flops' (deterministic) or 'ms' (measured time).")
+            raise ValueError(
+                f"cost_metric={cost_metric!r} is not known; choose 'flops' (counted FLOPs, deterministic), "
+                "'ms' (forward timed once per block) or 'time' (estimated from FLOPs and bytes at measured rates)."
+            )
         self.cost_metric = cost_metric
         self.batch_arg_name = batch_arg_name
         probes = tuple(probe_batch_sizes)

@@ -88,9 +88,10 @@ block's cost of the optimum, the exact frontier grows roughly quadratically with
 n, and 1,000 such blocks take tens of seconds (benchmarks/chain_planner.py).
 
 Exactness is on the model's integers: bytes are int64, recompute in `flops` is
-int64 (float64 only if the sum of all block FLOPs exceeds 2**62). In `ms` costs
-are float64 prefix sums, so two plans whose costs differ only by rounding may be
-ordered either way.
+int64 (float64 only if the sum of all block FLOPs exceeds 2**62). In `time` each
+block's estimate is rounded to whole nanoseconds and summed as int64, exact too.
+In `ms` costs are float64 prefix sums, so two plans whose costs differ only by
+rounding may be ordered either way.
 """
 
 from __future__ import annotations
@@ -101,11 +102,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from lightning_ckpt.costs import StepCost
-from lightning_ckpt.memory_model import block_recompute, end_need, skipped_tail
+from lightning_ckpt.memory_model import block_recompute, end_need, metric_rates, skipped_tail
 
 Segments = list[tuple[int, int]]
 
 _INT_LIMIT = 2**62
+_NS_PER_MS = 1e6
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,7 @@ class _Arrays:
     next_break: np.ndarray  # first block k > p that does not chain from k - 1 (n if none)
     rc: np.ndarray  # block recompute
     tails: np.ndarray  # skipped tail when the block ends a segment
+    cost_scale: float = 1.0  # solver cost units per unit of the metric (time: ns per ms)
 
 
 def _arrays(cost: StepCost, metric: str) -> _Arrays:
@@ -162,9 +165,17 @@ def _arrays(cost: StepCost, metric: str) -> _Arrays:
         G[:] = cost.outside_grad_bytes + (np.cumsum(grad[::-1])[::-1] - grad)
     W = np.zeros(n + 1, dtype=i64)
     np.cumsum(saved, out=W[1:])
-    rc = [block_recompute(b, metric) for b in blocks]
-    tails = [skipped_tail(b, metric) for b in blocks]
-    integral = metric == "flops" and all(isinstance(c, int) for c in rc + tails) and sum(rc) + sum(tails) < _INT_LIMIT
+    rates = metric_rates(cost, metric)
+    rc = [block_recompute(b, metric, rates) for b in blocks]
+    tails = [skipped_tail(b, metric, rates) for b in blocks]
+    scale = 1.0
+    if metric == "time":
+        # [exactness] estimated times in whole nanoseconds, summed as int64: plans of
+        # equal cost tie exactly, so the lower peak wins and not a rounding error
+        scale = _NS_PER_MS
+        rc = [int(round(c * scale)) for c in rc]
+        tails = [int(round(c * scale)) for c in tails]
+    integral = metric != "ms" and all(isinstance(c, int) for c in rc + tails) and sum(rc) + sum(tails) < _INT_LIMIT
     cdt = np.int64 if integral else np.float64
     P = np.zeros(n + 1, dtype=cdt)
     np.cumsum(np.array(rc, dtype=cdt), out=P[1:])
@@ -188,6 +199,7 @@ def _arrays(cost: StepCost, metric: str) -> _Arrays:
             nb = k
     v = G + W[1:] + out
     return _Arrays(
+        cost_scale=scale,
         rc=np.array(rc, dtype=cdt),
         tails=np.array(tails, dtype=cdt),
         n=n,
@@ -501,7 +513,8 @@ def _solve(
         if ptr & SEG:
             segs.append((p, q - 1))
         p = q
-    return ChainSolution(best_cost.item(), peak, segs)
+    best = best_cost.item()
+    return ChainSolution(best / a.cost_scale if a.cost_scale != 1.0 else best, peak, segs)
 
 
 def _pareto_prune(d: np.ndarray, c: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -41,6 +41,12 @@ class BlockCost:
     fwd_flops: forward FLOPs (what one recompute costs).
     tail_flops: FLOPs of the ops after the block's last saved tensor. When the block
         ends a segment, torch's early stop skips them in the recompute.
+    fwd_mem_bytes: bytes written in the forward by ops that count 0 FLOPs (layer norm,
+        softmax, GELU, adds, ...; `op_bytes.written_bytes` defines them), random-number
+        ops excepted. Not memory held: work, like `fwd_flops`.
+    tail_mem_bytes: the part of `fwd_mem_bytes` after the last saved tensor.
+    fwd_rng_bytes: bytes written by random-number ops (dropout's `bernoulli_`).
+    tail_rng_bytes: the part of `fwd_rng_bytes` after the last saved tensor.
     fwd_ms: measured forward wall time, milliseconds.
     chains_from_previous: the block's first input is the previous block's output, or an alias of
         it (`chaining.receives_output`); needed to run several blocks in one checkpointed segment.
@@ -59,6 +65,10 @@ class BlockCost:
     grad_bytes: int = 0
     fwd_flops: int = 0
     tail_flops: int = 0
+    fwd_mem_bytes: int = 0
+    tail_mem_bytes: int = 0
+    fwd_rng_bytes: int = 0
+    tail_rng_bytes: int = 0
     fwd_ms: float = 0.0
     chains_from_previous: bool = True
 
@@ -89,6 +99,55 @@ class BlockCost:
 
 
 @dataclass(frozen=True)
+class MachineRates:
+    """How fast the profiled device does each kind of forward work (`rates.measure_rates`).
+
+    flop_per_s: FLOPs per second of a square matmul in `flop_dtype`.
+    mem_byte_per_s: bytes written per second by a fixed mix of memory-bound ops
+        (add, mul, GELU, softmax, layer norm) in `mem_dtype`.
+    rng_byte_per_s: bytes written per second by `bernoulli_` (dropout's mask) in `mem_dtype`.
+    device, flop_dtype, mem_dtype: where and in what they were measured.
+
+    `fwd_ms` turns a block's counted work into estimated milliseconds: the
+    `cost_metric="time"` of the planner.
+    """
+
+    flop_per_s: float
+    mem_byte_per_s: float
+    rng_byte_per_s: float
+    device: str = "cpu"
+    flop_dtype: str = "torch.float32"
+    mem_dtype: str = "torch.float32"
+
+    def __post_init__(self) -> None:
+        for name in ("flop_per_s", "mem_byte_per_s", "rng_byte_per_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+                raise ValueError(
+                    f"MachineRates: {name}={value!r} must be a positive finite rate; measure it with "
+                    "lightning_ckpt.rates.measure_rates() or give a positive number."
+                )
+
+    def fwd_ms(self, flops: float, mem_bytes: float, rng_bytes: float) -> float:
+        """Estimated milliseconds of work: each kind at its own rate, added."""
+        return 1e3 * (flops / self.flop_per_s + mem_bytes / self.mem_byte_per_s + rng_bytes / self.rng_byte_per_s)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "MachineRates":
+        return cls(**data)
+
+    def __str__(self) -> str:
+        return (
+            f"{self.flop_per_s / 1e9:.1f} GFLOP/s ({self.flop_dtype.removeprefix('torch.')}), "
+            f"{self.mem_byte_per_s / 1e9:.2f} GB/s memory-bound, {self.rng_byte_per_s / 1e9:.2f} GB/s random "
+            f"({self.mem_dtype.removeprefix('torch.')}) on {self.device}"
+        )
+
+
+@dataclass(frozen=True)
 class StepCost:
     """The whole training step at one batch size.
 
@@ -103,6 +162,8 @@ class StepCost:
     grads_live_in_forward: parameter gradients of the previous step are still
         allocated during the forward (Lightning zeroes them after the forward).
     optimizer_transient_bytes: scratch space of the optimizer step.
+    meta: what explains the numbers: `step_fwd_flops`, and `rates` (a
+        `MachineRates.to_dict()`) when the profile measured them.
     """
 
     blocks: tuple[BlockCost, ...]
@@ -119,6 +180,12 @@ class StepCost:
     @property
     def n_blocks(self) -> int:
         return len(self.blocks)
+
+    @property
+    def rates(self) -> MachineRates | None:
+        """The machine rates measured with the profile, or None."""
+        data = self.meta.get("rates")
+        return None if data is None else MachineRates.from_dict(data)
 
     @property
     def grad_bytes(self) -> int:

@@ -41,6 +41,9 @@ class BlockRow:
     input_bytes: int
     fwd_flops: int
     fwd_ms: float
+    fwd_mem_bytes: int = 0  # written by ops without FLOPs (work, not memory held)
+    fwd_rng_bytes: int = 0  # written by random-number ops
+    fwd_est_ms: float | None = None  # estimated from the three at the machine rates, when measured
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,9 @@ class Plan:
     recompute_ms: float
     step_flops: int  # forward + backward of the whole step, estimated as 3x the forward
     rows: tuple[BlockRow, ...]
+    cost_metric: str = "flops"  # what the planner minimised: flops, ms or time
+    recompute_est_ms: float | None = None  # estimated recompute time (the `time` metric), when rates were measured
+    rates: dict | None = None  # `MachineRates.to_dict()` behind the estimates
 
     @property
     def checkpointed(self) -> tuple[int, ...]:
@@ -75,10 +81,14 @@ class Plan:
         return self.recompute_flops / self.step_flops if self.step_flops else 0.0
 
     def __str__(self) -> str:
+        estimated = self.recompute_est_ms is not None
         head = f"{'block':>5}  {'name':<28} {'decision':<12} {'seg':>4} {'saved':>10} {'boundary':>10} {'recompute':>11}"
+        if estimated:
+            head += f" {'est. ms':>8}"
         lines = [
             f"lightning-ckpt plan: policy={self.policy}, batch_size={self.batch_size}, "
-            f"{len(self.checkpointed)}/{self.n_blocks} blocks checkpointed in {len(self.segments)} segment(s)",
+            f"{len(self.checkpointed)}/{self.n_blocks} blocks checkpointed in {len(self.segments)} segment(s), "
+            f"cost_metric={self.cost_metric}",
             head,
             "-" * len(head),
         ]
@@ -87,10 +97,13 @@ class Plan:
             seg = str(r.segment) if r.segment >= 0 else "-"
             recompute = format_flops(r.fwd_flops) if r.checkpointed else "0"
             name = r.name if len(r.name) <= 28 else "..." + r.name[-25:]
-            lines.append(
+            line = (
                 f"{r.index:>5}  {name:<28} {decision:<12} {seg:>4} {format_bytes(r.saved_bytes):>10} "
                 f"{format_bytes(r.input_bytes):>10} {recompute:>11}"
             )
+            if estimated:
+                line += f" {(r.fwd_est_ms or 0.0) if r.checkpointed else 0.0:>8.2f}"
+            lines.append(line)
         lines.append("-" * len(head))
         budget = format_bytes(self.budget_bytes) if self.budget_bytes is not None else "none"
         verdict = "fits" if self.fits else "DOES NOT FIT"
@@ -102,6 +115,15 @@ class Plan:
             f"recompute {format_flops(self.recompute_flops)}FLOP = {100 * self.recompute_share:.1f}% of the step "
             f"({self.recompute_ms:.1f} ms measured forward time)"
         )
+        if estimated:
+            rates = ""
+            if self.rates is not None:
+                from lightning_ckpt.costs import MachineRates
+
+                rates = f" at {MachineRates.from_dict(self.rates)}"
+            lines.append(
+                f"estimated recompute {self.recompute_est_ms:.1f} ms: FLOPs, memory-bound bytes and random bytes{rates}"
+            )
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -118,6 +140,9 @@ class Plan:
             "recompute_ms": self.recompute_ms,
             "recompute_share": self.recompute_share,
             "step_flops": self.step_flops,
+            "cost_metric": self.cost_metric,
+            "recompute_est_ms": self.recompute_est_ms,
+            "rates": self.rates,
             "fits": self.fits,
             "rows": [dataclasses.asdict(r) for r in self.rows],
         }

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 
 from lightning_ckpt.costs import StepCost
 from lightning_ckpt.memory_model import (
+    COST_METRICS,
     block_recompute,
     end_need,
+    metric_rates,
     predict_peak,
     recompute_cost,
     segment_of,
@@ -24,7 +26,6 @@ from lightning_ckpt.memory_model import (
 from lightning_ckpt.plan import BlockRow, Plan, format_bytes
 
 POLICIES = ("none", "full", "every_k", "sqrt", "greedy", "optimal")
-COST_METRICS = ("flops", "ms")
 
 
 class InfeasibleBudgetError(ValueError):
@@ -88,13 +89,13 @@ def greedy_segments(cost: StepCost, budget_bytes: int, metric: str = "flops") ->
     The seeds' ranking rule; after each added block both groupings (one segment per
     block, merged runs) are tried and the first that fits wins.
     """
-    attr = "fwd_flops" if metric == "flops" else "fwd_ms"
+    rates = metric_rates(cost, metric)
     n = cost.n_blocks
 
     def ratio(i: int) -> float:
         b = cost.blocks[i]
         freed = b.saved_bytes - b.input_bytes
-        c = getattr(b, attr)
+        c = block_recompute(b, metric, rates)
         if c > 0:
             return freed / c
         return math.inf if freed > 0 else -math.inf
@@ -133,6 +134,7 @@ def _elements_from(
     Segments stop growing once even their rebuilt interior alone exceeds `room`.
     """
     blocks = cost.blocks
+    rates = metric_rates(cost, metric)
     static = cost.static_bytes + cost.pre_saved_bytes
     blk = blocks[a]
     # [constraint] a kept block: its forward and its backward on top of earlier blocks.
@@ -157,7 +159,7 @@ def _elements_from(
         saved_sum += bb.saved_bytes
         if least_base + cost.outside_grad_bytes + saved_sum > room:
             break  # [constraint] the rebuilt interior only grows with the segment
-        run_cost += block_recompute(bb, metric)
+        run_cost += block_recompute(bb, metric, rates)
         scratch = max(scratch, bb.fwd_transient_bytes)
         # the segment's first block runs on top of its input, later ones on the boundary
         boundary = x_a if b > a else x_a - blk.input_saved_bytes
@@ -167,7 +169,7 @@ def _elements_from(
         last = grads_after[b] + saved_sum + bb.output_bytes + max(bb.bwd_transient_bytes, scratch)
         bwd_need = base + max(inner, last)
         inner = max(inner, grads_after[b] + saved_sum + bb.output_bytes + bb.bwd_transient_bytes)
-        yield _Element(a, b, True, x_a, max(fwd_need, bwd_need), run_cost - skipped_tail(bb, metric))
+        yield _Element(a, b, True, x_a, max(fwd_need, bwd_need), run_cost - skipped_tail(bb, metric, rates))
 
 
 def optimal_segments(
@@ -308,8 +310,7 @@ def make_plan(
     """
     if policy not in POLICIES and not (policy == "manual" and segments is not None):
         raise ValueError(f"policy={policy!r} is not a known policy; choose one of {', '.join(POLICIES)}.")
-    if metric not in COST_METRICS:
-        raise ValueError(f"metric={metric!r} is not a known recompute cost; choose 'flops' or 'ms'.")
+    metric_rates(cost, metric)  # an unknown metric, or `time` without measured rates, fails here
     n = cost.n_blocks
     needs_budget = policy in ("greedy", "optimal") or (policy == "every_k" and every_k is None)
     if needs_budget and budget_bytes is None:
@@ -337,7 +338,7 @@ def make_plan(
             "a segment spans a block that does not take the previous block's output as its first argument; "
             "such blocks can only be checkpointed one per segment."
         )
-    return build_plan(cost, segs, policy if segments is None else "manual", budget_bytes)
+    return build_plan(cost, segs, policy if segments is None else "manual", budget_bytes, metric)
 
 
 def _smallest_fitting_k(cost: StepCost, budget_bytes: int) -> list[tuple[int, int]]:
@@ -348,12 +349,20 @@ def _smallest_fitting_k(cost: StepCost, budget_bytes: int) -> list[tuple[int, in
     raise InfeasibleBudgetError(_infeasible_message(cost, budget_bytes, "every_k"))
 
 
-def build_plan(cost: StepCost, segments: Sequence[tuple[int, int]], policy: str, budget_bytes: int | None) -> Plan:
+def build_plan(
+    cost: StepCost, segments: Sequence[tuple[int, int]], policy: str, budget_bytes: int | None, metric: str = "flops"
+) -> Plan:
     segs = validate_segments(cost.n_blocks, segments)
     peak = predict_peak(cost, segs)
     owner = segment_of(cost.n_blocks, segs)
+    rates = cost.rates  # estimated times are shown whenever the profile measured rates
     rows = tuple(
-        BlockRow(i, b.name, owner[i] >= 0, owner[i], b.saved_bytes, b.input_bytes, int(b.fwd_flops), float(b.fwd_ms))
+        BlockRow(
+            i, b.name, owner[i] >= 0, owner[i], b.saved_bytes, b.input_bytes, int(b.fwd_flops), float(b.fwd_ms),
+            fwd_mem_bytes=int(b.fwd_mem_bytes),
+            fwd_rng_bytes=int(b.fwd_rng_bytes),
+            fwd_est_ms=None if rates is None else block_recompute(b, "time", rates),
+        )
         for i, b in enumerate(cost.blocks)
     )
     fwd_flops = int(cost.meta.get("step_fwd_flops", sum(b.fwd_flops for b in cost.blocks)))
@@ -369,4 +378,7 @@ def build_plan(cost: StepCost, segments: Sequence[tuple[int, int]], policy: str,
         recompute_ms=float(recompute_cost(cost, segs, "ms")),
         step_flops=3 * fwd_flops,
         rows=rows,
+        cost_metric=metric,
+        recompute_est_ms=None if rates is None else float(recompute_cost(cost, segs, "time")),
+        rates=None if rates is None else rates.to_dict(),
     )

@@ -2,7 +2,8 @@
 
 Bytes and FLOPs of a step grow linearly with the batch size, so two probes give a
 line per quantity (`bytes = a + b * batch`) and a third probe checks it. `at(n)`
-returns the `StepCost` predicted for batch size `n`. Plain data, no torch.
+returns the `StepCost` predicted for batch size `n`, with the profile's machine
+rates (`meta["rates"]`) passed through. Plain data, no torch.
 """
 
 from __future__ import annotations
@@ -24,8 +25,14 @@ _BLOCK_LINEAR = (
     "bwd_transient_bytes",
     "fwd_flops",
     "tail_flops",
+    "fwd_mem_bytes",
+    "tail_mem_bytes",
+    "fwd_rng_bytes",
+    "tail_rng_bytes",
     "fwd_ms",
 )
+# each tail is part of its forward: (tail, whole)
+_TAILS = (("tail_flops", "fwd_flops"), ("tail_mem_bytes", "fwd_mem_bytes"), ("tail_rng_bytes", "fwd_rng_bytes"))
 _STEP_LINEAR = ("pre_saved_bytes", "post_saved_bytes")
 
 
@@ -71,7 +78,8 @@ class Profile:
             kw["input_saved_bytes"] = min(kw["input_saved_bytes"], kw["input_bytes"])
             kw["output_saved_bytes"] = min(kw["output_saved_bytes"], kw["output_bytes"])
             kw["input_saved_by_previous_bytes"] = min(kw["input_saved_by_previous_bytes"], kw["input_bytes"])
-            kw["tail_flops"] = min(kw["tail_flops"], kw["fwd_flops"])
+            for tail, whole in _TAILS:
+                kw[tail] = min(kw[tail], kw[whole])
             kw["chains_from_previous"] = b1.chains_from_previous and b2.chains_from_previous
             blocks.append(BlockCost(**kw))
         fields = {
@@ -82,6 +90,9 @@ class Profile:
                 round(max(0.0, _line(x1, p1.post_forward_bytes, x2, p2.post_forward_bytes, batch_size)))
             )
         meta = {"step_fwd_flops": max(0.0, _line(x1, p1.meta.get("step_fwd_flops", 0), x2, p2.meta.get("step_fwd_flops", 0), batch_size))}
+        for key in ("rates", "work"):  # measured once per profile, the same at every batch size
+            if key in p2.meta:
+                meta[key] = p2.meta[key]
         base = {
             "static_bytes": p1.static_bytes,
             "outside_grad_bytes": p1.outside_grad_bytes,

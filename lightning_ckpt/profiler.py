@@ -3,13 +3,16 @@
 One probe runs `step_fn(batch)` (forward and loss) and `loss.backward()` under a
 live-bytes tracker, a FLOP counter and saved-tensor hooks, with hooks that mark
 each block's forward and backward. It records per block what it saves for
-backward, its boundary tensors, its scratch space, FLOPs and forward time.
-Parameters, buffers, gradients and RNG state are restored after every probe.
+backward, its boundary tensors, its scratch space, FLOPs, the bytes written by ops
+that have no FLOPs (`op_bytes`) and forward time. Parameters, buffers, gradients and
+RNG state are restored after every probe. `profile_model` also measures the
+machine's rates once (`rates`), so that counted work can be turned into time.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -20,7 +23,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ckpt.chaining import receives_output, tensor_version
-from lightning_ckpt.costs import BlockCost, StepCost
+from lightning_ckpt.costs import BlockCost, MachineRates, StepCost
+from lightning_ckpt.op_bytes import OpBytesCounter
 from lightning_ckpt.profile import Profile
 from lightning_ckpt.tracker import LiveBytesTracker, _storage_key, storage_bytes
 
@@ -134,7 +138,13 @@ class _Probe:
     """Hooks and counters for one measured step."""
 
     def __init__(
-        self, model: nn.Module, blocks: Sequence[nn.Module], tracker: LiveBytesTracker, flops: FlopCounterMode, names: Sequence[str]
+        self,
+        model: nn.Module,
+        blocks: Sequence[nn.Module],
+        tracker: LiveBytesTracker,
+        flops: FlopCounterMode,
+        names: Sequence[str],
+        work: OpBytesCounter | None = None,
     ):
         self.blocks = list(blocks)
         self.names = list(names)
@@ -142,6 +152,7 @@ class _Probe:
         self.n = len(self.blocks)
         self.tracker = tracker
         self.flops = flops
+        self.work = work
         self.param_keys = {_storage_key(p) for p in model.parameters()}
         # ZeRO-3 parameters have empty storage until gathered in the forward: also tell them by identity.
         self.param_ids = {id(p) for p in model.parameters()}
@@ -163,6 +174,10 @@ class _Probe:
         self.fwd_flops = [0] * n
         self.flops_at_entry = [0] * n
         self.flops_at_last_pack = [0] * n
+        # (mem_bytes, rng_bytes) written by 0-FLOP ops: at entry, in the forward, at the last pack
+        self.work_at_entry = [(0, 0)] * n
+        self.fwd_work = [(0, 0)] * n
+        self.work_at_last_pack = [(0, 0)] * n
         self.chains = [True] * n
         self.live_entry = [0] * n
         self.pre_bytes = 0
@@ -202,6 +217,7 @@ class _Probe:
         self.tracker.reset_peak()
         self.flops_at_entry[i] = self.flops.get_total_flops()
         self.flops_at_last_pack[i] = self.flops_at_entry[i]
+        self.work_at_entry[i] = self.work_at_last_pack[i] = self._work()
 
     def post_hook(self, module, args, output):
         i = self._index(module)
@@ -214,6 +230,7 @@ class _Probe:
             self.output_saved[i] = self.output_bytes[i]
         self.fwd_transient[i] = max(0, self.tracker.peak_bytes - live)
         self.fwd_flops[i] = self.flops.get_total_flops() - self.flops_at_entry[i]
+        self.fwd_work[i] = _minus(self._work(), self.work_at_entry[i])
         self.current = None
         if out is not None and out.requires_grad:
             out.register_hook(self._bwd_marker(i))
@@ -241,11 +258,19 @@ class _Probe:
                     self.shared_keys[i].add(key)
                     self.shared_prev[i] += storage_bytes(t)
             self.flops_at_last_pack[i] = self.flops.get_total_flops()
+            self.work_at_last_pack[i] = self._work()
         return t
 
     @staticmethod
     def unpack(t):
         return t
+
+    def _work(self) -> tuple[int, int]:
+        return self.work.snapshot() if self.work is not None else (0, 0)
+
+    def tail_work(self, i: int) -> tuple[int, int]:
+        """(mem, rng) bytes written after block i's last saved tensor (early stop skips them)."""
+        return _minus(self.fwd_work[i], _minus(self.work_at_last_pack[i], self.work_at_entry[i]))
 
     # backward
     def _bwd_marker(self, i: int):
@@ -272,6 +297,10 @@ class _Probe:
         raise AssertionError("hook on a module that is not a block")
 
 
+def _minus(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    return a[0] - b[0], a[1] - b[1]
+
+
 def _grad_bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
 
@@ -291,13 +320,14 @@ def probe_step(
     with preserved_state(model):
         tracker = LiveBytesTracker()
         flops = FlopCounterMode(display=False)
-        probe = _Probe(model, blocks, tracker, flops, names)
+        work = OpBytesCounter(flops)
+        probe = _Probe(model, blocks, tracker, flops, names, work)
         handles = []
         for b in blocks:
             handles.append(b.register_forward_pre_hook(probe.pre_hook, with_kwargs=True))
             handles.append(b.register_forward_hook(probe.post_hook, always_call=True))
         try:
-            with flops, tracker:
+            with flops, work, tracker:  # `work` above `flops`: it sees each op before flops decomposes it
                 with torch.autograd.graph.saved_tensors_hooks(probe.pack, probe.unpack):
                     loss = _as_loss(step_fn(batch))
                 if probe.post_open:  # the forward is over: the head's and the loss's peak so far
@@ -332,6 +362,10 @@ def probe_step(
             grad_bytes=_grad_bytes(blocks[i]),
             fwd_flops=int(probe.fwd_flops[i]),
             tail_flops=int(probe.fwd_flops[i] - (probe.flops_at_last_pack[i] - probe.flops_at_entry[i])),
+            fwd_mem_bytes=probe.fwd_work[i][0],
+            tail_mem_bytes=probe.tail_work(i)[0],
+            fwd_rng_bytes=probe.fwd_work[i][1],
+            tail_rng_bytes=probe.tail_work(i)[1],
             fwd_ms=fwd_ms[i],
             chains_from_previous=probe.chains[i] if i > 0 else True,
         )
@@ -344,7 +378,7 @@ def probe_step(
         pre_saved_bytes=probe.pre_bytes,
         post_saved_bytes=probe.post_peak,
         post_forward_bytes=probe.post_fwd_peak,
-        meta={"step_fwd_flops": int(step_fwd_flops)},
+        meta={"step_fwd_flops": int(step_fwd_flops), "work": work.dominant()},
     )
 
 
@@ -395,8 +429,15 @@ def profile_model(
     check_batch_size: int | None = 4,
     names: Sequence[str] | None = None,
     timing: bool = True,
+    rates: MachineRates | None = None,
 ) -> Profile:
-    """Probe at two small slices of `batch` (and check on a third) -> `Profile`."""
+    """Probe at two small slices of `batch` (and check on a third) -> `Profile`.
+
+    With `timing`, blocks are timed and the machine's rates measured on the device
+    and dtypes that did most of the probed work (`rates.measure_rates`, ~40 ms on a CPU);
+    `rates` given are used as they are. Either way they land in `meta["rates"]` of
+    every probe, which the `time` cost metric needs.
+    """
     n = batch_size_of(batch)
     sizes = [s for s in (*probe_batch_sizes, check_batch_size) if s is not None]
     if any(s < 1 for s in sizes) or len(set(probe_batch_sizes)) != 2:
@@ -410,4 +451,15 @@ def profile_model(
     check = None
     if check_batch_size is not None and check_batch_size not in probe_batch_sizes:
         check = probe_step(model, blocks, step_fn, slice_batch(batch, check_batch_size), names, timing=False)
+    if rates is None and timing:
+        from lightning_ckpt.rates import measure_rates
+
+        rates = measure_rates(**probes[-1].meta["work"])
+    if rates is not None:
+        probes = tuple(_with_rates(p, rates) for p in probes)
+        check = None if check is None else _with_rates(check, rates)
     return Profile(probes=probes, check=check)  # type: ignore[arg-type]
+
+
+def _with_rates(cost: StepCost, rates: MachineRates) -> StepCost:
+    return dataclasses.replace(cost, meta={**cost.meta, "rates": rates.to_dict()})

@@ -152,7 +152,7 @@ def test_infeasible_target_names_largest_batch():
         ({"target_batch_size": "maximum"}, r"target_batch_size='maximum' must be a positive integer; .* or 'max'"),
         ({"target_batch_size": "max", "batch_multiple": 0}, r"batch_multiple=0 must be a positive integer"),
         ({"target_batch_size": 8, "batch_multiple": 8}, r"batch_multiple=8 only applies to target_batch_size='max'"),
-        ({"target_batch_size": 8, "cost_metric": "joules"}, r"cost_metric='joules' is not known"),
+        ({"target_batch_size": 8, "cost_metric": "joules"}, r"cost_metric='joules' is not known; choose 'flops' .*'ms' .*or 'time'"),
         ({"target_batch_size": 8, "check_batch_size": 0}, r"check_batch_size=0 must be a positive integer"),
         ({"target_batch_size": 8, "policy": "every_k", "every_k": 0}, r"every_k=0 must be a positive integer"),
         ({"target_batch_size": 8, "memory_budget": True}, r"memory_budget=True is a bool"),
@@ -246,6 +246,17 @@ def test_resume_with_changed_model_replans_or_raises(tmp_path):
     strict.load_state_dict(state)
     with pytest.raises(ValueError, match=r"does not match this run: the blocks changed .* strict_resume=True"):
         _fit([strict], model=LitChain(n_blocks=5), max_steps=1)
+
+
+def test_time_metric_plans_and_explains_itself(budget_midpoint):
+    cb = ActivationCheckpointing(
+        target_batch_size=8, memory_budget=budget_midpoint, cost_metric="time", verbose=False, report=False
+    )
+    _fit([cb], max_steps=1)
+    plan = cb.plan
+    assert plan.fits and plan.checkpointed and plan.cost_metric == "time"
+    assert plan.recompute_est_ms > 0 and plan.rates == cb.cost.meta["rates"]
+    assert "cost_metric=time" in str(plan) and "estimated recompute" in str(plan)
 
 
 def test_max_batch_size_from_the_model(budget_midpoint):

@@ -13,7 +13,7 @@ import pytest
 from test_planner import all_plans, brute_force, random_cost, uniform
 
 from lightning_ckpt.chain_dp import _reference_optimal_segments, solve_chain
-from lightning_ckpt.costs import BlockCost, StepCost
+from lightning_ckpt.costs import BlockCost, MachineRates, StepCost
 from lightning_ckpt.memory_model import predict_peak, recompute_cost
 from lightning_ckpt.planner import InfeasibleBudgetError, every_k_segments, make_plan, optimal_segments
 
@@ -194,6 +194,76 @@ def test_ms_metric_matches_reference_cost(seed):
         if sol is not None:
             assert predict_peak(cost, sol.segments).peak_bytes <= budget
             assert recompute_cost(cost, sol.segments, "ms") == pytest.approx(recompute_cost(cost, ref, "ms"), rel=1e-9, abs=1e-9)
+
+
+# 1 ns per FLOP and per memory-bound byte, 4 ns per random byte: every estimate is whole nanoseconds
+NS_RATES = MachineRates(flop_per_s=1e9, mem_byte_per_s=1e9, rng_byte_per_s=2.5e8)
+
+
+def with_work(rng: random.Random, cost: StepCost, rates: MachineRates = NS_RATES) -> StepCost:
+    """`cost` with random memory-bound and random bytes (and their tails) and machine rates."""
+    blocks = []
+    for b in cost.blocks:
+        mem, rnd = rng.choice((0, rng.randint(1, 60))), rng.choice((0, 0, rng.randint(1, 20)))
+        blocks.append(
+            BlockCost(
+                **{
+                    **b.__dict__,
+                    "fwd_mem_bytes": mem,
+                    "tail_mem_bytes": rng.choice((0, rng.randint(0, mem))),
+                    "fwd_rng_bytes": rnd,
+                    "tail_rng_bytes": rng.choice((0, rng.randint(0, rnd))),
+                }
+            )
+        )
+    return StepCost(**{**cost.__dict__, "blocks": tuple(blocks), "meta": {"rates": rates.to_dict()}})
+
+
+def ns(ms: float) -> int:
+    return round(ms * 1e6)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_time_metric_equals_brute_force_exactly(seed):
+    """Estimated times tie exactly (whole nanoseconds in int64), so the lowest peak wins."""
+    rng = random.Random(60_000 + seed)
+    n = rng.randint(1, 7)
+    cost = with_work(rng, rich_cost(rng, n, huge=False))
+    table = []
+    for segs in all_plans(n):
+        if all(cost.blocks[i].chains_from_previous for a, b in segs for i in range(a + 1, b + 1)):
+            table.append((ns(recompute_cost(cost, segs, "time")), predict_peak(cost, segs).peak_bytes))
+    for budget in budgets_for(rng, cost, 3):
+        fits = [o for o in table if o[1] <= budget]
+        expected = min(fits) if fits else None
+        for beam in BEAMS:
+            sol = solve_chain(cost, budget, metric="time", beam=beam)
+            if expected is None:
+                assert sol is None
+                continue
+            got = (ns(recompute_cost(cost, sol.segments, "time")), predict_peak(cost, sol.segments).peak_bytes)
+            assert got == expected, (budget, got, expected, sol.segments)
+            assert ns(sol.cost) == got[0] and sol.peak_bytes == got[1]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_time_metric_matches_reference_dp_with_measured_like_rates(seed):
+    """Rates that are not whole nanoseconds: the least recompute agrees with the float reference."""
+    rng = random.Random(70_000 + seed)
+    n = rng.randint(20, 40)
+    rates = MachineRates(flop_per_s=rng.uniform(1e8, 1e9), mem_byte_per_s=rng.uniform(1e7, 1e9), rng_byte_per_s=rng.uniform(1e6, 1e8))
+    cost = with_work(rng, rich_cost(rng, n, huge=False), rates)
+    lo = predict_peak(cost, every_k_segments(n, 1)).peak_bytes
+    hi = predict_peak(cost, []).peak_bytes
+    budget = min(lo, hi) + int(rng.uniform(0.05, 1.0) * abs(hi - lo))
+    ref = _reference_optimal_segments(cost, budget, metric="time")
+    for beam in (0, 3):
+        sol = solve_chain(cost, budget, metric="time", beam=beam)
+        assert (sol is None) == (ref is None)
+        if sol is not None:
+            assert predict_peak(cost, sol.segments).peak_bytes <= budget
+            # each block is rounded to whole nanoseconds in the solver: at most 1 ns per block apart
+            assert recompute_cost(cost, sol.segments, "time") == pytest.approx(recompute_cost(cost, ref, "time"), abs=n * 1e-6)
 
 
 def test_huge_flops_ties_are_exact():

@@ -265,3 +265,60 @@ def test_fuzz_planner_never_over_budget_never_crashes(cost, budget, policy):
     assert plan.fits and plan.predicted_peak_bytes <= budget
     assert plan.predicted_peak_bytes == predict_peak(cost, plan.segments).peak_bytes
     assert all(cost.blocks[i].chains_from_previous for a, b in plan.segments for i in range(a + 1, b + 1))
+
+
+# ----------------------------------------------------------------------------- cost metrics
+
+
+def _with_rates(cost: StepCost, rates) -> StepCost:
+    return StepCost(**{**cost.__dict__, "meta": {**cost.meta, "rates": rates.to_dict()}})
+
+
+def test_unknown_metric_lists_the_choices():
+    with pytest.raises(ValueError, match=r"metric='joules' is not a known recompute cost; choose one of flops, ms, time"):
+        make_plan(uniform(4), "optimal", 10**9, metric="joules")
+
+
+@pytest.mark.parametrize("frac", [k / 10 for k in range(1, 10)])
+def test_time_metric_on_identical_blocks_plans_exactly_like_flops(frac):
+    """Identical blocks cost the same under both metrics up to a factor, so the plans must be
+    the same, tie-breaks included: time costs are summed exactly (whole nanoseconds), not in
+    floats where 0.1 + 0.2 != 0.3 would decide between plans of equal cost."""
+    from lightning_ckpt.costs import MachineRates
+
+    base = uniform(48)
+    blocks = tuple(BlockCost(**{**b.__dict__, "fwd_mem_bytes": 3 * MiB, "fwd_rng_bytes": MiB // 3}) for b in base.blocks)
+    cost = _with_rates(StepCost(**{**base.__dict__, "blocks": blocks}), MachineRates(3.1e9, 7.3e9, 0.7e9))
+    lo = predict_peak(cost, every_k_segments(48, 1)).peak_bytes
+    hi = predict_peak(cost, []).peak_bytes
+    budget = int(lo + frac * (hi - lo))
+    by_flops = make_plan(cost, "optimal", budget, metric="flops")
+    by_time = make_plan(cost, "optimal", budget, metric="time")
+    assert by_time.segments == by_flops.segments
+    assert by_time.predicted_peak_bytes == by_flops.predicted_peak_bytes
+    assert make_plan(cost, "greedy", budget, metric="time").segments == make_plan(cost, "greedy", budget).segments
+
+
+def test_plan_table_shows_the_metric_and_estimated_time_and_roundtrips():
+    from lightning_ckpt.costs import MachineRates
+    from lightning_ckpt.plan import Plan
+
+    base = uniform(6)
+    blocks = tuple(BlockCost(**{**b.__dict__, "fwd_mem_bytes": 10**6}) for b in base.blocks)
+    rates = MachineRates(flop_per_s=1e5, mem_byte_per_s=1e9, rng_byte_per_s=1e8)
+    cost = _with_rates(StepCost(**{**base.__dict__, "blocks": blocks}), rates)
+    plan = make_plan(cost, "every_k", every_k=3, metric="time")
+    text = str(plan)
+    assert "cost_metric=time" in text and "est. ms" in text
+    # each block: 100 FLOPs at 1e5 FLOP/s (1 ms) + 1e6 bytes at 1 GB/s (1 ms)
+    assert plan.recompute_est_ms == pytest.approx(6 * 2.0)
+    assert all(r.fwd_est_ms == pytest.approx(2.0) for r in plan.rows)
+    assert "estimated recompute 12.0 ms" in text and "1.00 GB/s memory-bound" in text
+    assert Plan.from_dict(plan.to_dict()) == plan
+    # a plan saved before these fields existed still loads
+    old = {k: v for k, v in plan.to_dict().items() if k not in ("cost_metric", "recompute_est_ms", "rates")}
+    old["rows"] = [{k: v for k, v in r.items() if k not in ("fwd_mem_bytes", "fwd_rng_bytes", "fwd_est_ms")} for r in old["rows"]]
+    legacy = Plan.from_dict(old)
+    assert legacy.recompute_est_ms is None and "est. ms" not in str(legacy)
+    # without measured rates there is nothing to estimate with
+    assert make_plan(base, "every_k", every_k=3).recompute_est_ms is None

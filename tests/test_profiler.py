@@ -30,7 +30,7 @@ def test_bytes_from_two_small_probes_within_2_percent_at_batch_32(probes):
     predicted = prof.at(32)
     measured = probe_step(model, list(model.blocks), _chain_loss(model), batch, timing=False)
     for p, m in zip(predicted.blocks, measured.blocks):
-        for field in ("saved_bytes", "input_bytes", "output_bytes", "fwd_flops"):
+        for field in ("saved_bytes", "input_bytes", "output_bytes", "fwd_flops", "fwd_mem_bytes", "tail_mem_bytes", "fwd_rng_bytes"):
             assert getattr(p, field) == pytest.approx(getattr(m, field), rel=0.02), field
         assert m.saved_bytes > 10 * m.input_bytes  # the block really saves its interior
 
@@ -50,6 +50,11 @@ def test_probe_measures_what_the_block_saves():
     assert blk.input_bytes == f * b * s * d
     assert blk.input_saved_bytes == blk.input_bytes
     assert blk.fwd_flops == 2 * (2 * b * s * d * 4 * d)
+    # bytes written by ops without FLOPs: LayerNorm (out, mean, rstd), GELU and the residual
+    # add (dropout with p=0 runs no op); the add follows the last saved tensor
+    assert blk.fwd_mem_bytes == f * (b * s * d + 2 * b * s + b * s * 4 * d + b * s * d)
+    assert blk.fwd_rng_bytes == 0
+    assert blk.tail_mem_bytes == f * b * s * d
     assert blk.grad_bytes == f * (2 * d + 4 * d * d + 4 * d + 4 * d * d + d)
     assert cost.blocks[1].chains_from_previous
 

@@ -1,0 +1,116 @@
+"""Bytes written by the ops torch's FLOP counter gives no FLOPs.
+
+`FlopCounterMode` counts matmul- and convolution-like ops only; layer norm, softmax,
+GELU, dropout, embedding lookups, batch norm, relu and adds count 0 FLOPs but take
+real time. `OpBytesCounter` is a dispatch mode stacked above a `FlopCounterMode`: each
+op that counter gives 0 FLOPs adds the bytes it writes to `mem_bytes`, or to
+`rng_bytes` when it draws random numbers (dropout's `bernoulli_`), which is much
+slower per byte on CPU. What an op writes is defined in `written_bytes`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_ckpt.tracker import _storage_key
+
+__all__ = ["OpBytesCounter", "written_bytes"]
+
+_aten = torch.ops.aten
+# Ops that allocate or re-point storage without writing any data.
+_NO_WRITE = {
+    _aten.empty,
+    _aten.empty_like,
+    _aten.empty_strided,
+    _aten.empty_permuted,
+    _aten.new_empty,
+    _aten.new_empty_strided,
+    _aten.resize_,
+    _aten.set_,
+    _aten.lift_fresh,
+}
+
+
+def written_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    """Bytes `func` wrote: numel x element size of every tensor it returns, except views.
+
+    A returned tensor on the storage of an input is a view (`view`, `t`, `_unsafe_view`,
+    `detach`: 0 bytes) unless the op mutates its inputs (`add_`, `bernoulli_`, `copy_`:
+    the mutated tensor's bytes). Allocation-only ops (`empty`, `empty_like`, ...) write
+    nothing. Only outputs count, not bytes read: a single rate per byte written,
+    measured on a mix of ops (`rates.measure_rates`), absorbs the reads.
+    """
+    schema = getattr(func, "_schema", None)
+    if schema is None or getattr(func, "_overloadpacket", None) in _NO_WRITE or getattr(func, "is_view", False):
+        return 0  # not an aten-style op (no schema), or one that writes nothing
+    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    if not outs:
+        return 0
+    mutates = schema.is_mutable
+    inputs = set()
+    if not mutates:
+        inputs = {_storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        inputs.discard(None)
+    return sum(t.numel() * t.element_size() for t in outs if mutates or _storage_key(t) not in inputs)
+
+
+def _is_random(func: Any) -> bool:
+    return torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+
+
+class OpBytesCounter(TorchDispatchMode):
+    """Counts bytes written by ops that `flops` counts 0 FLOPs for; enter it after `flops`.
+
+    `mem_bytes` and `rng_bytes` are running totals (read them before and after a
+    region). `flop_dtypes` and `mem_dtypes` weigh each (device, dtype) by the
+    FLOPs or bytes done in it, so the machine rates can be measured where the work is.
+    Stacked above the FLOP counter, an op is seen once, before the counter decomposes
+    it, and the counter's total before and after the op says whether it had FLOPs.
+    """
+
+    def __init__(self, flops: FlopCounterMode) -> None:
+        super().__init__()
+        self.flops = flops
+        self.mem_bytes = 0
+        self.rng_bytes = 0
+        self.flop_dtypes: Counter[tuple[str, torch.dtype]] = Counter()
+        self.mem_dtypes: Counter[tuple[str, torch.dtype]] = Counter()
+
+    def snapshot(self) -> tuple[int, int]:
+        """(mem_bytes, rng_bytes) so far."""
+        return self.mem_bytes, self.rng_bytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        before = self.flops.get_total_flops()
+        out = func(*args, **kwargs)
+        flops = self.flops.get_total_flops() - before
+        first = next((t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)), None)
+        if flops:
+            if first is not None:
+                self.flop_dtypes[(str(first.device), first.dtype)] += flops
+            return out
+        nbytes = written_bytes(func, args, kwargs, out)
+        if nbytes:
+            if _is_random(func):
+                self.rng_bytes += nbytes
+            else:
+                self.mem_bytes += nbytes
+            if first is not None and first.is_floating_point():
+                self.mem_dtypes[(str(first.device), first.dtype)] += nbytes
+        return out
+
+    def dominant(self) -> dict[str, str]:
+        """Device and dtypes that carried most of the FLOPs and of the bytes (strings, for meta)."""
+        flop = self.flop_dtypes.most_common(1)
+        mem = self.mem_dtypes.most_common(1)
+        device = (flop or mem or [(("cpu", torch.float32), 0)])[0][0][0]
+        flop_dtype = flop[0][0][1] if flop else (mem[0][0][1] if mem else torch.float32)
+        mem_dtype = mem[0][0][1] if mem else flop_dtype
+        return {"device": device, "flop_dtype": str(flop_dtype), "mem_dtype": str(mem_dtype)}
