@@ -63,11 +63,12 @@ class ActivationCheckpointing(Callback):
         policy: ``optimal`` (least recompute that fits), ``greedy``, ``sqrt``, ``every_k``,
             ``full`` or ``none``.
         every_k: blocks per segment for ``policy="every_k"``; None picks the smallest k that fits.
-        cost_metric: what recompute is measured in when choosing: ``flops`` (FLOPs counted by
-            torch: deterministic, but layer norm, softmax, GELU, dropout count 0), ``ms`` (each
-            block's forward timed once while profiling: noisy) or ``time`` (estimated ms: the
-            counted FLOPs, bytes written by ops without FLOPs and random bytes, each at a rate
-            measured once on this device; see `lightning_ckpt.rates`).
+        cost_metric: what recompute is measured in when choosing: ``time`` (the default;
+            estimated ms: the counted FLOPs, bytes written by ops without FLOPs and random
+            bytes, each at a rate measured once on this device; see `lightning_ckpt.rates`),
+            ``flops`` (FLOPs counted by torch: independent of the machine, but layer norm,
+            softmax, GELU and dropout count 0, so blocks made of them look free) or ``ms``
+            (each block's forward timed once while profiling: noisy).
         batch_arg_name: attribute holding the loader's batch size (module, hparams or datamodule).
         probe_batch_sizes: the two small batch sizes profiled; bytes are fitted as a line in them.
         check_batch_size: a third size that checks the line (None to skip).
@@ -90,7 +91,7 @@ class ActivationCheckpointing(Callback):
         blocks: str | list[str] | None = None,
         policy: str = "optimal",
         every_k: int | None = None,
-        cost_metric: Literal["flops", "ms", "time"] = "flops",
+        cost_metric: Literal["flops", "ms", "time"] = "time",
         batch_arg_name: str = "batch_size",
         probe_batch_sizes: tuple[int, int] = (1, 2),
         check_batch_size: int | None = 4,

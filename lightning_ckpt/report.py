@@ -22,6 +22,23 @@ class TradeoffPoint:
     label: str
     peak_bytes: int
     recompute_flops: int
+    recompute_cost: float  # in the plot's metric: GFLOP for `flops`, ms for `time` and `ms`
+
+
+def _cost_of(plan: Plan, metric: str) -> float:
+    """A plan's recompute in the unit the plot shows for `metric`."""
+    if metric == "time" and plan.recompute_est_ms is not None:
+        return plan.recompute_est_ms
+    if metric == "ms":
+        return plan.recompute_ms
+    return plan.recompute_flops / 1e9
+
+
+def _axis_label(metric: str) -> str:
+    return {
+        "time": "estimated recompute time (ms per step)",
+        "ms": "recompute time, forward timed once (ms per step)",
+    }.get(metric, "recomputed forward (GFLOP per step)")
 
 
 def tradeoff_curve(cost: StepCost, points: int = 16, metric: str = "flops") -> list[TradeoffPoint]:
@@ -35,16 +52,16 @@ def tradeoff_curve(cost: StepCost, points: int = 16, metric: str = "flops") -> l
             plan = make_plan(cost, "optimal", budget, metric=metric)
         except InfeasibleBudgetError:
             continue
-        out.append(TradeoffPoint("optimal", plan.predicted_peak_bytes, plan.recompute_flops))
+        out.append(TradeoffPoint("optimal", plan.predicted_peak_bytes, plan.recompute_flops, _cost_of(plan, metric)))
     return out
 
 
-def baseline_points(cost: StepCost) -> list[TradeoffPoint]:
+def baseline_points(cost: StepCost, metric: str = "flops") -> list[TradeoffPoint]:
     pts = []
     for policy, k in (("none", None), ("full", None), ("sqrt", None), ("every_k", 2), ("every_k", 4)):
-        plan = make_plan(cost, policy, None, every_k=k)
+        plan = make_plan(cost, policy, None, every_k=k, metric=metric)
         label = policy if k is None else f"every_{k}"
-        pts.append(TradeoffPoint(label, plan.predicted_peak_bytes, plan.recompute_flops))
+        pts.append(TradeoffPoint(label, plan.predicted_peak_bytes, plan.recompute_flops, _cost_of(plan, metric)))
     return pts
 
 
@@ -87,24 +104,24 @@ def tradeoff_figure(cost: StepCost, plan: Plan, points: int = 16, metric: str = 
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
     if curve:
         ax.step(
-            [p.peak_bytes / mib for p in curve], [p.recompute_flops / 1e9 for p in curve],
+            [p.peak_bytes / mib for p in curve], [p.recompute_cost for p in curve],
             where="post", color="tab:blue", label="optimal plan at each budget",
         )
-    for i, pt in enumerate(baseline_points(cost)):
-        ax.scatter(pt.peak_bytes / mib, pt.recompute_flops / 1e9, marker="s", s=30, zorder=3)
+    for i, pt in enumerate(baseline_points(cost, metric)):
+        ax.scatter(pt.peak_bytes / mib, pt.recompute_cost, marker="s", s=30, zorder=3)
         # baselines that all recompute everything sit on one line: stagger their labels
         ax.annotate(
-            pt.label, (pt.peak_bytes / mib, pt.recompute_flops / 1e9), textcoords="offset points",
+            pt.label, (pt.peak_bytes / mib, pt.recompute_cost), textcoords="offset points",
             xytext=(4, -12 - 10 * i), fontsize=8,
         )
     ax.scatter(
-        plan.predicted_peak_bytes / mib, plan.recompute_flops / 1e9, marker="*", s=220, color="tab:red", zorder=4,
+        plan.predicted_peak_bytes / mib, _cost_of(plan, metric), marker="*", s=220, color="tab:red", zorder=4,
         label=f"chosen: {plan.policy}",
     )
     if plan.budget_bytes is not None:
         ax.axvline(plan.budget_bytes / mib, color="tab:red", linestyle="--", label="memory budget")
     ax.set_xlabel("predicted peak memory of a step (MiB)")
-    ax.set_ylabel("recomputed forward (GFLOP per step)")
+    ax.set_ylabel(_axis_label(metric))
     ax.set_title(f"lightning-ckpt: memory vs recompute at batch {plan.batch_size}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper right")

@@ -37,3 +37,25 @@ def test_json_and_png_written_and_plot_marks_budget_and_choice(tmp_path):
     labels = fig.axes[0].get_legend_handles_labels()[1]
     assert "memory budget" in labels and "chosen: optimal" in labels
     assert any(line.get_xdata()[0] == budget / 2**20 for line in fig.axes[0].lines if line.get_linestyle() == "--")
+
+
+def test_plot_axis_follows_the_cost_metric(tmp_path):
+    """With cost_metric='time' the curve and the chosen plan are in estimated ms, not GFLOP."""
+    from lightning_ckpt.costs import MachineRates
+    from lightning_ckpt.costs import StepCost
+
+    cost = cost_at(8)
+    rates = MachineRates(flop_per_s=1e11, mem_byte_per_s=1e10, rng_byte_per_s=1e9)
+    cost = StepCost(**{**cost.__dict__, "meta": {**cost.meta, "rates": rates.to_dict()}})
+    budget = (make_plan(cost, "none").predicted_peak_bytes + make_plan(cost, "full").predicted_peak_bytes) // 2
+    plan = make_plan(cost, "optimal", budget, metric="time")
+    curve = tradeoff_curve(cost, points=8, metric="time")
+    assert curve and all(p.recompute_cost >= 0 for p in curve)
+    # the full plan's point on the time axis is its estimated recompute in ms
+    full = make_plan(cost, "full", metric="time")
+    assert full.recompute_est_ms is not None and full.recompute_est_ms > 0
+    fig = tradeoff_figure(cost, plan, points=8, metric="time")
+    assert fig.axes[0].get_ylabel() == "estimated recompute time (ms per step)"
+    star = [c for c in fig.axes[0].collections if c.get_label() == "chosen: optimal"][0]
+    assert star.get_offsets()[0][1] == plan.recompute_est_ms
+    assert tradeoff_figure(cost, plan, points=8).axes[0].get_ylabel() == "recomputed forward (GFLOP per step)"
