@@ -101,8 +101,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lightning_ckpt.costs import StepCost
-from lightning_ckpt.memory_model import block_recompute, end_need, metric_rates, skipped_tail
+from lightning_ckpt.costs import StepCost, ckpt_forward_bytes
+from lightning_ckpt.memory_model import block_recompute, end_need, metric_rates, segment_overhead, skipped_tail
 
 Segments = list[tuple[int, int]]
 
@@ -135,8 +135,8 @@ class _Arrays:
     ft: np.ndarray
     W: np.ndarray  # prefix sums of saved (n + 1)
     P: np.ndarray  # prefix sums of block recompute (n + 1)
-    K: np.ndarray  # K[q] = P[q] - tail[q - 1] (n + 1, K[0] unused)
-    f: np.ndarray  # saved + out + ft (a block's forward on top of what came before)
+    K: np.ndarray  # K[q] = P[q] - tail[q - 1] + segment overhead (n + 1, K[0] unused)
+    f: np.ndarray  # input + in-flight peak of a forward that saves nothing (a checkpointed block's)
     inner: np.ndarray  # G + W[b+1] + out + bt (backward of a non-last segment block, less the base)
     v: np.ndarray  # G + W[b+1] + out
     bt: np.ndarray
@@ -168,6 +168,8 @@ def _arrays(cost: StepCost, metric: str) -> _Arrays:
     rates = metric_rates(cost, metric)
     rc = [block_recompute(b, metric, rates) for b in blocks]
     tails = [skipped_tail(b, metric, rates) for b in blocks]
+    # [constraint] every segment ends at exactly one block: its fixed overhead goes with the end
+    seg = segment_overhead(metric, rates) if metric == "time" else 0  # an int: FLOPs stay exact
     scale = 1.0
     if metric == "time":
         # [exactness] estimated times in whole nanoseconds, summed as int64: plans of
@@ -175,12 +177,13 @@ def _arrays(cost: StepCost, metric: str) -> _Arrays:
         scale = _NS_PER_MS
         rc = [int(round(c * scale)) for c in rc]
         tails = [int(round(c * scale)) for c in tails]
+        seg = int(round(seg * scale))
     integral = metric != "ms" and all(isinstance(c, int) for c in rc + tails) and sum(rc) + sum(tails) < _INT_LIMIT
     cdt = np.int64 if integral else np.float64
     P = np.zeros(n + 1, dtype=cdt)
     np.cumsum(np.array(rc, dtype=cdt), out=P[1:])
     K = np.zeros(n + 1, dtype=cdt)
-    K[1:] = P[1:] - np.array(tails, dtype=cdt)
+    K[1:] = P[1:] - np.array(tails, dtype=cdt) + seg
     fwd_grads = cost.grad_bytes if cost.grads_live_in_forward else 0
     static = cost.static_bytes + cost.pre_saved_bytes
     os_ = col("output_saved_bytes")
@@ -217,7 +220,7 @@ def _arrays(cost: StepCost, metric: str) -> _Arrays:
         W=W,
         P=P,
         K=K,
-        f=saved + out - os_ + ft,
+        f=x + np.array([ckpt_forward_bytes(b) for b in blocks], dtype=i64).reshape(n),
         inner=v + bt,
         v=v,
         bt=bt,
@@ -336,10 +339,10 @@ def _segment_need_rows(a: _Arrays, p0: int, p1: int, width: int) -> np.ndarray:
         return np.lib.stride_tricks.sliding_window_view(ext, width)[: p1 - p0]
 
     rows = slice(p0, p1)
-    # [constraint] forward: block b runs on top of the boundary x_p (for b = p on its
-    # input, less the part of it that block p saves itself).
+    # [constraint] forward without saving: block b holds its input and what it makes in
+    # flight (`f`), from b = p + 1 on top of the boundary x_p as well.
     fwd = win(a.f) + a.x[rows, None]
-    fwd[:, 0] -= a.xs[rows]
+    fwd[:, 0] -= a.x[rows]
     np.maximum.accumulate(fwd, axis=1, out=fwd)
     fwd += a.static + a.fwd_grads
     # [constraint] backward: the interior is rebuilt at once on top of the boundary; the

@@ -35,6 +35,10 @@ class BlockCost:
         (the block's last op saves its result, e.g. a ReLU); not counted twice.
     fwd_transient_bytes: peak extra bytes live during the block's forward beyond
         what it saves and returns (scratch space).
+    ckpt_fwd_peak_bytes: peak bytes above what was live at the block's entry during
+        a forward that saves nothing (as inside a checkpointed segment): intermediates
+        live only until the next op consumes them, plus the output. None when not
+        measured; the model then uses `saved + output + scratch - input saved`.
     bwd_transient_bytes: peak extra bytes during the block's backward beyond what
         was live when it started (gradient scratch, its parameter gradients).
     grad_bytes: bytes of the gradients of the block's trainable parameters.
@@ -61,6 +65,7 @@ class BlockCost:
     output_bytes: int = 0
     output_saved_bytes: int = 0
     fwd_transient_bytes: int = 0
+    ckpt_fwd_peak_bytes: int | None = None
     bwd_transient_bytes: int = 0
     grad_bytes: int = 0
     fwd_flops: int = 0
@@ -75,7 +80,7 @@ class BlockCost:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name.endswith(("_bytes", "_flops", "_ms")) and value < 0:
+            if f.name.endswith(("_bytes", "_flops", "_ms")) and value is not None and value < 0:
                 raise ValueError(
                     f"BlockCost {self.name!r}: {f.name}={value} is negative; costs are sizes and times, "
                     "so they must be >= 0. Check the profile that produced it."
@@ -98,6 +103,17 @@ class BlockCost:
             )
 
 
+def ckpt_forward_bytes(block: BlockCost) -> int:
+    """[constraint] What a block's forward needs above the bytes live at its entry when
+    it saves nothing (inside a checkpointed segment): measured, or else bounded by
+    what it would save and return plus its scratch, less the input it would save."""
+    if block.ckpt_fwd_peak_bytes is not None:
+        return block.ckpt_fwd_peak_bytes
+    return (
+        block.saved_bytes - block.input_saved_bytes + block.output_bytes - block.output_saved_bytes
+        + block.fwd_transient_bytes
+    )
+
 @dataclass(frozen=True)
 class MachineRates:
     """How fast the profiled device does each kind of forward work (`rates.measure_rates`).
@@ -106,6 +122,10 @@ class MachineRates:
     mem_byte_per_s: bytes written per second by a fixed mix of memory-bound ops
         (add, mul, GELU, softmax, layer norm) in `mem_dtype`.
     rng_byte_per_s: bytes written per second by `bernoulli_` (dropout's mask) in `mem_dtype`.
+    segment_s: fixed seconds one checkpointed segment adds to a step whatever it holds
+        (entering and leaving the checkpoint, saving the RNG state, starting the
+        recompute); 0 when not measured. It keeps a segment whose recompute is free
+        (a block whose only op runs after its last saved tensor) from looking free.
     device, flop_dtype, mem_dtype: where and in what they were measured.
 
     `fwd_ms` turns a block's counted work into estimated milliseconds: the
@@ -115,6 +135,7 @@ class MachineRates:
     flop_per_s: float
     mem_byte_per_s: float
     rng_byte_per_s: float
+    segment_s: float = 0.0
     device: str = "cpu"
     flop_dtype: str = "torch.float32"
     mem_dtype: str = "torch.float32"
@@ -127,6 +148,11 @@ class MachineRates:
                     f"MachineRates: {name}={value!r} must be a positive finite rate; measure it with "
                     "lightning_ckpt.rates.measure_rates() or give a positive number."
                 )
+        if not (isinstance(self.segment_s, (int, float)) and 0 <= self.segment_s < float("inf")):
+            raise ValueError(
+                f"MachineRates: segment_s={self.segment_s!r} must be a finite number of seconds >= 0 "
+                "(the fixed cost of one checkpointed segment); use 0 to leave it out."
+            )
 
     def fwd_ms(self, flops: float, mem_bytes: float, rng_bytes: float) -> float:
         """Estimated milliseconds of work: each kind at its own rate, added."""
@@ -143,7 +169,7 @@ class MachineRates:
         return (
             f"{self.flop_per_s / 1e9:.1f} GFLOP/s ({self.flop_dtype.removeprefix('torch.')}), "
             f"{self.mem_byte_per_s / 1e9:.2f} GB/s memory-bound, {self.rng_byte_per_s / 1e9:.2f} GB/s random "
-            f"({self.mem_dtype.removeprefix('torch.')}) on {self.device}"
+            f"({self.mem_dtype.removeprefix('torch.')}), {1e6 * self.segment_s:.0f} us per segment on {self.device}"
         )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_ckpt.costs import MachineRates, StepCost
+from lightning_ckpt.costs import MachineRates, StepCost, ckpt_forward_bytes
 
 Segments = Sequence[tuple[int, int]]
 
@@ -109,11 +109,15 @@ def predict_peak(cost: StepCost, segments: Segments) -> PeakBreakdown:
     post = cost.post_saved_bytes - relief
     fwd = prefix[n] + post_forward(cost) - relief
     for i, blk in enumerate(blocks):
-        own = blk.saved_bytes + blk.output_bytes - blk.output_saved_bytes + blk.fwd_transient_bytes
         if owner[i] < 0:
-            own += shift[i]
-        elif segments[owner[i]][0] == i:
-            own += blk.input_bytes - blk.input_saved_bytes + shift[i]
+            own = blk.saved_bytes + blk.output_bytes - blk.output_saved_bytes + blk.fwd_transient_bytes + shift[i]
+        else:
+            # [constraint] a checkpointed block's forward saves nothing: on top of what is
+            # resident (the segment's boundary from its second block on) it holds its
+            # input and what it makes in flight
+            own = blk.input_bytes + ckpt_forward_bytes(blk)
+            if segments[owner[i]][0] == i:
+                own += shift[i]
         fwd = max(fwd, prefix[i] + own)
     fwd += static + fwd_grads
     # The head's backward runs before any block gradient exists.
@@ -231,9 +235,17 @@ def segment_cost(
     if rates is None:
         rates = metric_rates(cost, metric)
     blocks = cost.blocks
-    return sum(block_recompute(blocks[i], metric, rates) for i in range(first, last + 1)) - skipped_tail(
-        blocks[last], metric, rates
+    return (
+        sum(block_recompute(blocks[i], metric, rates) for i in range(first, last + 1))
+        - skipped_tail(blocks[last], metric, rates)
+        + segment_overhead(metric, rates)
     )
+
+
+def segment_overhead(metric: str, rates: MachineRates | None) -> float:
+    """The fixed cost of one checkpointed segment in `metric`: measured for `time`
+    (`MachineRates.segment_s`), none in counted FLOPs or per-block timings."""
+    return 1e3 * rates.segment_s if metric == "time" and rates is not None else 0  # an int: FLOPs stay exact
 
 
 def recompute_cost(cost: StepCost, segments: Segments, metric: str = "flops") -> float:

@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_ckpt.costs import StepCost
+from lightning_ckpt.costs import StepCost, ckpt_forward_bytes
 from lightning_ckpt.memory_model import (
     COST_METRICS,
     block_recompute,
@@ -20,6 +20,7 @@ from lightning_ckpt.memory_model import (
     predict_peak,
     recompute_cost,
     segment_of,
+    segment_overhead,
     skipped_tail,
     validate_segments,
 )
@@ -161,15 +162,17 @@ def _elements_from(
             break  # [constraint] the rebuilt interior only grows with the segment
         run_cost += block_recompute(bb, metric, rates)
         scratch = max(scratch, bb.fwd_transient_bytes)
-        # the segment's first block runs on top of its input, later ones on the boundary
-        boundary = x_a if b > a else x_a - blk.input_saved_bytes
-        fwd_need = max(fwd_need, static + fwd_grads + boundary + bb.saved_bytes + bb.output_bytes - bb.output_saved_bytes + bb.fwd_transient_bytes)
+        # [constraint] forward without saving: each block on its input and what it makes
+        # in flight; from the second block on the segment's boundary is held as well
+        boundary = x_a if b > a else 0
+        fwd_need = max(fwd_need, static + fwd_grads + boundary + bb.input_bytes + ckpt_forward_bytes(bb))
         # [constraint] backward of the segment: its interior is rebuilt at once on top of
         # the boundary; block k's backward then runs with blocks a..k still rebuilt.
         last = grads_after[b] + saved_sum + bb.output_bytes + max(bb.bwd_transient_bytes, scratch)
         bwd_need = base + max(inner, last)
         inner = max(inner, grads_after[b] + saved_sum + bb.output_bytes + bb.bwd_transient_bytes)
-        yield _Element(a, b, True, x_a, max(fwd_need, bwd_need), run_cost - skipped_tail(bb, metric, rates))
+        cost_ab = run_cost - skipped_tail(bb, metric, rates) + segment_overhead(metric, rates)
+        yield _Element(a, b, True, x_a, max(fwd_need, bwd_need), cost_ab)
 
 
 def optimal_segments(

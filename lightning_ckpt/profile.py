@@ -78,6 +78,12 @@ class Profile:
             kw["input_saved_bytes"] = min(kw["input_saved_bytes"], kw["input_bytes"])
             kw["output_saved_bytes"] = min(kw["output_saved_bytes"], kw["output_bytes"])
             kw["input_saved_by_previous_bytes"] = min(kw["input_saved_by_previous_bytes"], kw["input_bytes"])
+            if b1.ckpt_fwd_peak_bytes is not None and b2.ckpt_fwd_peak_bytes is not None:
+                kw["ckpt_fwd_peak_bytes"] = int(
+                    round(max(0.0, _line(x1, b1.ckpt_fwd_peak_bytes, x2, b2.ckpt_fwd_peak_bytes, batch_size)))
+                )
+            else:
+                kw["ckpt_fwd_peak_bytes"] = None
             for tail, whole in _TAILS:
                 kw[tail] = min(kw[tail], kw[whole])
             kw["chains_from_previous"] = b1.chains_from_previous and b2.chains_from_previous

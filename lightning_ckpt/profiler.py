@@ -345,6 +345,7 @@ def probe_step(
             for h in handles:
                 h.remove()
         fwd_ms = _time_blocks(model, blocks, step_fn, batch) if timing else [0.0] * len(blocks)
+        ckpt_peaks = _nosave_forward_peaks(blocks, step_fn, batch)
 
     outside_grad = _grad_bytes(model) - sum(_grad_bytes(b) for b in blocks)
     costs = tuple(
@@ -358,6 +359,7 @@ def probe_step(
             output_bytes=probe.output_bytes[i],
             output_saved_bytes=probe.output_saved[i],
             fwd_transient_bytes=probe.fwd_transient[i],
+            ckpt_fwd_peak_bytes=ckpt_peaks[i],
             bwd_transient_bytes=probe.bwd_transient[i],
             grad_bytes=_grad_bytes(blocks[i]),
             fwd_flops=int(probe.fwd_flops[i]),
@@ -391,6 +393,35 @@ def _as_loss(out: Any) -> torch.Tensor:
             "lightning-ckpt profiles forward and backward, so training_step must return the loss (or {'loss': loss})."
         )
     return out
+
+
+def _nosave_forward_peaks(blocks: Sequence[nn.Module], step_fn: StepFn, batch: Any) -> list[int]:
+    """Per block, the peak bytes above those live at its entry during a forward that
+    saves nothing for backward, as a block inside a checkpointed segment runs: each
+    intermediate lives only until the next op has consumed it. Measured in a forward
+    without grad under the live-bytes tracker."""
+    peaks = [0] * len(blocks)
+    entry = [0] * len(blocks)
+    tracker = LiveBytesTracker()
+    handles = []
+    for i, b in enumerate(blocks):
+
+        def pre(module, args, i=i):
+            entry[i] = tracker.live_bytes
+            tracker.reset_peak()
+
+        def post(module, args, out, i=i):
+            peaks[i] = max(0, tracker.peak_bytes - entry[i])
+
+        handles.append(b.register_forward_pre_hook(pre))
+        handles.append(b.register_forward_hook(post))
+    try:
+        with torch.no_grad(), tracker:
+            step_fn(batch)
+    finally:
+        for h in handles:
+            h.remove()
+    return peaks
 
 
 def _time_blocks(model: nn.Module, blocks: Sequence[nn.Module], step_fn: StepFn, batch: Any) -> list[float]:

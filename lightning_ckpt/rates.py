@@ -74,14 +74,49 @@ def measure_rates(
         flop_per_s = _rate(matmul, _MATMUL_SIZES, sync, repeats, min_call_s)
         mem_byte_per_s = _rate(memory, _ELEMENT_COUNTS, sync, repeats, min_call_s)
         rng_byte_per_s = _rate(random, _ELEMENT_COUNTS, sync, repeats, min_call_s)
+    segment_s = _segment_overhead_s(device, sync, repeats)
     return MachineRates(
         flop_per_s=flop_per_s,
         mem_byte_per_s=mem_byte_per_s,
         rng_byte_per_s=rng_byte_per_s,
+        segment_s=segment_s,
         device=str(device),
         flop_dtype=str(flop_dtype),
         mem_dtype=str(mem_dtype),
     )
+
+
+def _segment_overhead_s(device: torch.device, sync: Callable[[], None], repeats: int, calls: int = 20) -> float:
+    """Seconds one non-reentrant checkpoint region adds to a forward + backward, whatever
+    it holds: a tiny op's step with and without `torch.utils.checkpoint`, fastest of
+    `repeats` loops of `calls` each, the difference (at least 0)."""
+    from torch.utils.checkpoint import checkpoint
+
+    x = torch.ones(8, device=device, requires_grad=True)
+
+    def op(t: torch.Tensor) -> torch.Tensor:
+        return t * 2.0
+
+    def plain() -> None:
+        op(x).sum().backward()
+
+    def checkpointed() -> None:
+        checkpoint(op, x, use_reentrant=False).sum().backward()
+
+    def loop(fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(calls):
+                fn()
+
+        return run
+
+    with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+        times = {}
+        for name, fn in (("plain", loop(plain)), ("checkpointed", loop(checkpointed))):
+            fn()  # warm-up
+            sync()
+            times[name] = min(_timed(fn, sync) for _ in range(repeats)) / calls
+    return max(0.0, times["checkpointed"] - times["plain"])
 
 
 def _rate(make: Callable, sizes, sync: Callable[[], None], repeats: int, min_call_s: float) -> float:

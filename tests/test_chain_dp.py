@@ -7,6 +7,7 @@ least recompute whose predicted peak fits, ties broken by the lowest peak.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -47,6 +48,7 @@ def rich_cost(rng: random.Random, n: int, huge: bool = True) -> StepCost:
                 output_bytes=out,
                 output_saved_bytes=rng.choice((0, out, rng.randint(0, out))),
                 fwd_transient_bytes=rng.choice((0, rng.randint(0, 80))),
+                ckpt_fwd_peak_bytes=rng.choice((None, rng.randint(0, 120))),
                 bwd_transient_bytes=rng.choice((0, rng.randint(0, 80))),
                 grad_bytes=rng.choice((0, rng.randint(0, 20), rng.randint(0, 400))),
                 fwd_flops=flops,
@@ -228,7 +230,9 @@ def test_time_metric_equals_brute_force_exactly(seed):
     """Estimated times tie exactly (whole nanoseconds in int64), so the lowest peak wins."""
     rng = random.Random(60_000 + seed)
     n = rng.randint(1, 7)
-    cost = with_work(rng, rich_cost(rng, n, huge=False))
+    # every other seed: a fixed cost per checkpointed segment (whole nanoseconds too)
+    rates = NS_RATES if seed % 2 else dataclasses.replace(NS_RATES, segment_s=rng.choice((1e-9, 7e-9, 3e-8)))
+    cost = with_work(rng, rich_cost(rng, n, huge=False), rates)
     table = []
     for segs in all_plans(n):
         if all(cost.blocks[i].chains_from_previous for a, b in segs for i in range(a + 1, b + 1)):
@@ -251,7 +255,10 @@ def test_time_metric_matches_reference_dp_with_measured_like_rates(seed):
     """Rates that are not whole nanoseconds: the least recompute agrees with the float reference."""
     rng = random.Random(70_000 + seed)
     n = rng.randint(20, 40)
-    rates = MachineRates(flop_per_s=rng.uniform(1e8, 1e9), mem_byte_per_s=rng.uniform(1e7, 1e9), rng_byte_per_s=rng.uniform(1e6, 1e8))
+    rates = MachineRates(
+        flop_per_s=rng.uniform(1e8, 1e9), mem_byte_per_s=rng.uniform(1e7, 1e9), rng_byte_per_s=rng.uniform(1e6, 1e8),
+        segment_s=rng.choice((0.0, rng.uniform(1e-9, 5e-8))),
+    )
     cost = with_work(rng, rich_cost(rng, n, huge=False), rates)
     lo = predict_peak(cost, every_k_segments(n, 1)).peak_bytes
     hi = predict_peak(cost, []).peak_bytes

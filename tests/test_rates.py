@@ -69,7 +69,9 @@ def test_time_metric_orders_an_encoder_block_far_above_a_lone_layer_norm(profile
     assert 0 < t_ln < t_enc / 20, (t_ln, t_enc)
     # the estimate is each kind of work at its rate, in milliseconds
     assert t_ln == pytest.approx(1e3 * ln.fwd_mem_bytes / rates.mem_byte_per_s)
-    assert recompute_cost(cost, [(2, 2)], "time") == pytest.approx(t_ln)  # nothing after its last saved tensor
+    # a segment of it alone: its forward (nothing after its last saved tensor) and the
+    # fixed cost of one checkpoint region
+    assert recompute_cost(cost, [(2, 2)], "time") == pytest.approx(t_ln + 1e3 * rates.segment_s)
 
 
 def test_given_rates_are_used_as_they_are():
@@ -102,3 +104,17 @@ def test_rates_must_be_positive_and_finite(field, value):
     kw = {"flop_per_s": 1e9, "mem_byte_per_s": 1e9, "rng_byte_per_s": 1e9, field: value}
     with pytest.raises(ValueError, match=rf"MachineRates: {field}=.* must be a positive finite rate"):
         MachineRates(**kw)
+
+
+@pytest.mark.parametrize("value", [-1e-6, math.inf, math.nan])
+def test_segment_overhead_must_be_finite_and_not_negative(value):
+    with pytest.raises(ValueError, match=r"MachineRates: segment_s=.* must be a finite number of seconds >= 0"):
+        MachineRates(flop_per_s=1e9, mem_byte_per_s=1e9, rng_byte_per_s=1e9, segment_s=value)
+
+
+def test_measured_segment_overhead_is_small_and_positive():
+    """A checkpoint region costs something (entering it, the RNG state, the recompute's
+    start) but far less than a millisecond on this CPU; it is what keeps a segment
+    whose recompute is empty from looking free."""
+    rates = measure_rates()
+    assert 0 < rates.segment_s < 1e-3
