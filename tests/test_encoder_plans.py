@@ -52,11 +52,13 @@ def test_profile_line_checks_out(encoder_setup):
 
 
 @pytest.mark.parametrize(("policy", "k"), [("none", None), ("full", None), ("every_k", 4), ("sqrt", None)])
-def test_fixed_policies_predicted_within_10_percent(encoder_setup, policy, k):
+def test_fixed_policies_predicted_within_2_percent(encoder_setup, policy, k):
+    """Within 2 %. `full` used to be predicted 5 % high: a checkpointed block's forward
+    was charged what it would save; now its in-flight peak is measured (`ckpt_fwd_peak_bytes`)."""
     model, opt, batch, loss_fn, _, cost = encoder_setup
     plan = make_plan(cost, policy, None, every_k=k)
     measured = _measure(model, opt, batch, loss_fn, plan.segments)
-    assert abs(plan.predicted_peak_bytes - measured) / measured < 0.10, (plan.predicted_peak_bytes, measured)
+    assert abs(plan.predicted_peak_bytes - measured) / measured < 0.02, (plan.predicted_peak_bytes, measured)
 
 
 def test_optimal_within_10_percent_and_under_budget(encoder_setup):

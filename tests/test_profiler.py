@@ -49,6 +49,9 @@ def test_probe_measures_what_the_block_saves():
     assert blk.saved_bytes == expected
     assert blk.input_bytes == f * b * s * d
     assert blk.input_saved_bytes == blk.input_bytes
+    # Without saving (inside a checkpoint) each intermediate dies once consumed: the peak
+    # is GELU's input and output together, 2 x (b, s, 4d); far below what it would save.
+    assert blk.ckpt_fwd_peak_bytes == f * 2 * b * s * 4 * d
     assert blk.fwd_flops == 2 * (2 * b * s * d * 4 * d)
     # bytes written by ops without FLOPs: LayerNorm (out, mean, rstd), GELU and the residual
     # add (dropout with p=0 runs no op); the add follows the last saved tensor
