@@ -44,6 +44,8 @@ import torch.nn.functional as F  # noqa: E402
 from lightning_ckpt import make_plan, measure_rates, profile_model, resolve_blocks, static_memory  # noqa: E402
 from lightning_ckpt.memory_model import block_recompute  # noqa: E402
 
+from _examples import CNN_CHAIN, cnn_example, encoder_example  # noqa: E402
+
 FRACTIONS = (0.25, 0.50, 0.75)
 
 
@@ -56,30 +58,14 @@ def _classifier_loss(model):
 
 
 def encoder_case(quick: bool):
-    from train_encoder import EncoderClassifier, SyntheticTextDataModule
-
-    torch.manual_seed(0)
-    if quick:
-        model, batch_size, seq = EncoderClassifier(n_blocks=12, d_model=64, seq_len=64), 8, 64
-    else:
-        model, batch_size, seq = EncoderClassifier(), 16, 128  # configs/encoder48.yaml
-    data = SyntheticTextDataModule(batch_size=batch_size, seq_len=seq, n_train=4 * batch_size, n_val=batch_size)
-    data.setup("fit")
-    batch = next(iter(data.train_dataloader()))
+    model, batch, batch_size = encoder_example(quick)
     chain = ["tok_emb", "blocks.*", "ln_f", "head"]
     return f"encoder ({len(model.blocks)} blocks, batch {batch_size})", model, chain, batch, batch_size
 
 
 def cnn_case(quick: bool):
-    from train_cnn import ShapesDataModule, ShapesResNet
-
-    torch.manual_seed(0)
-    model = ShapesResNet()
-    batch_size = 16 if quick else 64  # configs/cnn.yaml trains at 64
-    data = ShapesDataModule(batch_size=batch_size, n_train=4 * batch_size, n_val=batch_size)
-    data.setup("fit")
-    batch = next(iter(data.train_dataloader()))
-    return f"cnn (stem + 8 blocks, batch {batch_size})", model, ["stem", "layer1.*", "layer2.*", "layer3.*", "layer4.*"], batch, batch_size
+    model, batch, batch_size = cnn_example(quick)
+    return f"cnn (stem + 8 blocks, batch {batch_size})", model, CNN_CHAIN, batch, batch_size
 
 
 def measured_forward_ms(model, blocks, loss_fn, batch, repeats: int) -> list[float]:

@@ -52,6 +52,8 @@ from lightning_ckpt import (  # noqa: E402
 from lightning_ckpt.apply import apply_segments  # noqa: E402
 from lightning_ckpt.plan import Plan, format_bytes  # noqa: E402
 
+from _examples import CNN_CHAIN, cnn_example, encoder_example  # noqa: E402
+
 POLICIES = ("none", "full", "every_k", "sqrt", "greedy", "optimal", "optimal-time")
 # "optimal-time": the optimal policy with cost_metric="time" (FLOPs, memory-bound and
 # random bytes at the machine rates measured with the profile) instead of counted FLOPs.
@@ -110,16 +112,7 @@ def _classifier_loss(model):
 
 
 def encoder_case(quick: bool) -> Case:
-    from train_encoder import EncoderClassifier, SyntheticTextDataModule
-
-    torch.manual_seed(0)
-    if quick:
-        model, batch_size, seq = EncoderClassifier(n_blocks=12, d_model=64, seq_len=64), 8, 64
-    else:
-        model, batch_size, seq = EncoderClassifier(), 16, 128  # configs/encoder48.yaml
-    data = SyntheticTextDataModule(batch_size=batch_size, seq_len=seq, n_train=4 * batch_size, n_val=batch_size)
-    data.setup("fit")
-    batch = next(iter(data.train_dataloader()))
+    model, batch, batch_size = encoder_example(quick)
     # lr small enough that hundreds of timing steps on one batch keep the weights sane
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     _, names, blocks = resolve_blocks(model, "blocks")
@@ -128,16 +121,9 @@ def encoder_case(quick: bool) -> Case:
 
 
 def cnn_case(quick: bool) -> Case:
-    from examples.train_cnn import ShapesDataModule, ShapesResNet
-
-    torch.manual_seed(0)
-    model = ShapesResNet()
-    batch_size = 16 if quick else 64  # configs/cnn.yaml trains at 64
-    data = ShapesDataModule(batch_size=batch_size, n_train=4 * batch_size, n_val=batch_size)
-    data.setup("fit")
-    batch = next(iter(data.train_dataloader()))
+    model, batch, batch_size = cnn_example(quick)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    _, names, blocks = resolve_blocks(model, ["stem", "layer1.*", "layer2.*", "layer3.*", "layer4.*"])
+    _, names, blocks = resolve_blocks(model, CNN_CHAIN)
     return Case(f"cnn (stem + 8 blocks, batch {batch_size})", model, names, blocks, batch, _classifier_loss(model), opt, batch_size)
 
 
