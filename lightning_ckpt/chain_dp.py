@@ -442,11 +442,7 @@ def _solve(
                 # [expiry] whatever start r <= p the segment gets, blocks r..p and the
                 # prefix before r form a prefix of p + 1 blocks leaving <= budget - D.
                 score = pool_c - a.P[q1] + lb.bound(q1, budget - pool_d)
-                alive = score <= cap_eff
-                if beam and pool_d.shape[0] > pool_cap:
-                    best = np.zeros(pool_d.shape[0], dtype=bool)
-                    best[np.argpartition(score, pool_cap - 1)[:pool_cap]] = True
-                    alive &= best
+                alive = _within(score, cap_eff, pool_cap if beam else 0)
                 if not alive.all():
                     pool_d, pool_c, pool_b = pool_d[alive], pool_c[alive], pool_b[alive]
 
@@ -485,11 +481,7 @@ def _solve(
             # [bound] the prefix before p must leave at most budget - D resident
             # (budget - D + relief when the element before p can lower D by `relief`)
             score = cand_c + lb.bound(p, budget - cand_d + relief)
-            ok = score <= cap_eff
-            if beam and cand_d.shape[0] > beam:
-                best = np.zeros(cand_d.shape[0], dtype=bool)
-                best[np.argpartition(score, beam - 1)[:beam]] = True
-                ok &= best
+            ok = _within(score, cap_eff, beam)
             if not ok.all():
                 cand_d, cand_c, cand_b = cand_d[ok], cand_c[ok], cand_b[ok]
         FD[p], FC[p], FB[p] = cand_d, cand_c, cand_b
@@ -518,6 +510,17 @@ def _solve(
         p = q
     best = best_cost.item()
     return ChainSolution(best / a.cost_scale if a.cost_scale != 1.0 else best, peak, segs)
+
+
+def _within(score: np.ndarray, cap: float, keep: int) -> np.ndarray:
+    """Mask of the entries whose bounded `score` is <= `cap` and, with `keep` > 0, among
+    the `keep` lowest scores (the beam run's cut)."""
+    ok = score <= cap
+    if keep and score.shape[0] > keep:
+        best = np.zeros(score.shape[0], dtype=bool)
+        best[np.argpartition(score, keep - 1)[:keep]] = True
+        ok &= best
+    return ok
 
 
 def _pareto_prune(d: np.ndarray, c: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
