@@ -6,7 +6,7 @@
 
 For each chain shape and length n, at budgets 25 %, 50 % and 75 % of the way from
 the `full` peak to the `none` peak, time `optimal_segments` (the fast solver,
-`lightning_ckpt.chain_dp.solve_chain`) and, where it can run in reasonable time,
+`lightning_ckpt.planning.chain_planner.solve_chain`) and, where it can run in reasonable time,
 the original forward DP with its budget-bisection tie-break
 (`chain_dp._reference_optimal_segments`, in a subprocess given up after
 `--old-timeout` seconds); both answers must agree on (recompute, predicted peak).
@@ -46,10 +46,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from lightning_ckpt.chain_dp import _reference_optimal_segments  # noqa: E402
-from lightning_ckpt.costs import BlockCost, StepCost  # noqa: E402
-from lightning_ckpt.memory_model import predict_peak, recompute_cost  # noqa: E402
-from lightning_ckpt.planner import every_k_segments, optimal_segments  # noqa: E402
+from lightning_ckpt.planning.chain_planner import _reference_optimal_segments  # noqa: E402
+from lightning_ckpt.planning.costs import BlockCost, StepCost  # noqa: E402
+from lightning_ckpt.planning.memory_model import predict_peak  # noqa: E402
+from lightning_ckpt.planning.policies import every_k_segments, optimal_segments  # noqa: E402
+from lightning_ckpt.planning.recompute_cost import recompute_cost  # noqa: E402
 
 # examples/train_encoder.py, EncoderClassifier(), batch 16, AdamW after one step:
 # profile_model(..., probe batches (1, 2), check at 4).at(16). Every block measured the same.

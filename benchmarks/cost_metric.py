@@ -40,11 +40,16 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
-from lightning_ckpt import make_plan, measure_rates, profile_model, resolve_blocks, static_memory  # noqa: E402
-from lightning_ckpt.memory_model import block_recompute  # noqa: E402
-
 from _examples import CNN_CHAIN, cnn_example, encoder_example  # noqa: E402
+
+from lightning_ckpt import (  # noqa: E402
+    make_plan,
+    measure_rates,
+    profile_model,
+    resolve_blocks,
+    static_memory,
+)
+from lightning_ckpt.planning.recompute_cost import block_recompute  # noqa: E402
 
 FRACTIONS = (0.25, 0.50, 0.75)
 

@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from _examples import CNN_CHAIN, cnn_example, encoder_example  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from lightning_ckpt import (  # noqa: E402
@@ -50,9 +51,7 @@ from lightning_ckpt import (  # noqa: E402
     static_memory,
 )
 from lightning_ckpt.apply import apply_segments  # noqa: E402
-from lightning_ckpt.plan import Plan, format_bytes  # noqa: E402
-
-from _examples import CNN_CHAIN, cnn_example, encoder_example  # noqa: E402
+from lightning_ckpt.planning.plan import Plan, format_bytes  # noqa: E402
 
 POLICIES = ("none", "full", "every_k", "sqrt", "greedy", "optimal", "optimal-time")
 # "optimal-time": the optimal policy with cost_metric="time" (FLOPs, memory-bound and

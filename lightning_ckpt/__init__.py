@@ -12,23 +12,25 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lightning_ckpt.apply import AppliedPlan, apply_segments
-from lightning_ckpt.blocks import resolve_blocks
-from lightning_ckpt.costs import BlockCost, MachineRates, StepCost
-from lightning_ckpt.measure import measure_step_peak
-from lightning_ckpt.memory_model import predict_peak, recompute_cost
-from lightning_ckpt.plan import Plan
-from lightning_ckpt.planner import POLICIES, InfeasibleBudgetError, make_plan
-from lightning_ckpt.profile import Profile
-from lightning_ckpt.profiler import profile_model
-from lightning_ckpt.rates import measure_rates
-from lightning_ckpt.static_memory import StaticMemory, static_memory
-from lightning_ckpt.tracker import LiveBytesTracker
+from lightning_ckpt.planning.costs import BlockCost, StepCost
+from lightning_ckpt.planning.linear_fit import Profile
+from lightning_ckpt.planning.machine_rates import MachineRates
+from lightning_ckpt.planning.memory_model import predict_peak
+from lightning_ckpt.planning.plan import Plan
+from lightning_ckpt.planning.policies import POLICIES, InfeasibleBudgetError, make_plan
+from lightning_ckpt.planning.recompute_cost import recompute_cost
+from lightning_ckpt.profiling.blocks import resolve_blocks
+from lightning_ckpt.profiling.profiler import profile_model
+from lightning_ckpt.profiling.rates import measure_rates
+from lightning_ckpt.profiling.static_memory import StaticMemory, static_memory
+from lightning_ckpt.profiling.step_peak import measure_step_peak
+from lightning_ckpt.profiling.tracker import LiveBytesTracker
+from lightning_ckpt.profiling.zero_memory import ZeroMemory, zero_memory
 from lightning_ckpt.units import parse_bytes
-from lightning_ckpt.zero_memory import ZeroMemory, zero_memory
 
 if TYPE_CHECKING:
-    from lightning_ckpt.callback import ActivationCheckpointing
-    from lightning_ckpt.strategy import DeepSpeedStrategy
+    from lightning_ckpt.integrations.callback import ActivationCheckpointing
+    from lightning_ckpt.integrations.deepspeed_strategy import DeepSpeedStrategy
 
 __all__ = [
     "ActivationCheckpointing",
@@ -57,7 +59,7 @@ __all__ = [
     "zero_memory",
 ]
 
-_LAZY = {"ActivationCheckpointing": "lightning_ckpt.callback", "DeepSpeedStrategy": "lightning_ckpt.strategy"}
+_LAZY = {"ActivationCheckpointing": "lightning_ckpt.integrations.callback", "DeepSpeedStrategy": "lightning_ckpt.integrations.deepspeed_strategy"}
 
 
 def __getattr__(name: str) -> Any:

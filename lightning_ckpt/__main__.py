@@ -19,7 +19,7 @@ def preview(config: list[str], overrides: list[str]):
     from lightning.pytorch import LightningDataModule, LightningModule
     from lightning.pytorch.cli import LightningCLI
 
-    from lightning_ckpt.callback import ActivationCheckpointing, PlanOnly
+    from lightning_ckpt.integrations.callback import ActivationCheckpointing, PlanOnly
 
     args = [a for c in config for a in ("--config", c)] + overrides
     cli = LightningCLI(

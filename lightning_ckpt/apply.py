@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import _checkpoint_without_reentrant_generator
 
-from lightning_ckpt.chaining import receives_output, tensor_version
+from lightning_ckpt.profiling.chain_check import receives_output, tensor_version
 
 __all__ = ["AppliedPlan", "apply_segments", "BatchNormGuard"]
 
@@ -238,7 +238,7 @@ def apply_segments(
     `early_stop` (torch's default) ends each recompute at the last tensor backward
     needs, skipping the trailing ops of the segment's last block.
     """
-    from lightning_ckpt.memory_model import validate_segments
+    from lightning_ckpt.planning.memory_model import validate_segments
 
     spans = validate_segments(len(blocks), segments)
     objs = []

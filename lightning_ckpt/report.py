@@ -11,10 +11,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_ckpt.costs import StepCost
-from lightning_ckpt.plan import Plan
-from lightning_ckpt.planner import InfeasibleBudgetError, make_plan
-from lightning_ckpt.profile import Profile
+from lightning_ckpt.planning.costs import StepCost
+from lightning_ckpt.planning.linear_fit import Profile
+from lightning_ckpt.planning.plan import Plan
+from lightning_ckpt.planning.policies import InfeasibleBudgetError, make_plan
 
 
 @dataclass(frozen=True)

@@ -15,3 +15,4 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `examples.train_encoder`, as the configs name it
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # `plan_snapshot.plans_of`

@@ -6,9 +6,8 @@ import tempfile
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, TensorDataset
-
 from models import TinyChain
+from torch.utils.data import DataLoader, TensorDataset
 
 
 class LitChain(pl.LightningModule):

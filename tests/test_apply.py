@@ -7,10 +7,18 @@ import pickle
 
 import pytest
 import torch
+from models import (
+    FedChain,
+    IdentityWrap,
+    TinyChain,
+    TinyCNN,
+    tokens_batch,
+    train_steps,
+    wrap_like_zero3,
+)
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ckpt.apply import apply_segments
-from models import FedChain, IdentityWrap, TinyChain, TinyCNN, tokens_batch, train_steps, wrap_like_zero3
 
 SEGMENTATIONS = [
     [(0, 0)],

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from lightning_ckpt.blocks import candidate_containers, resolve_blocks
-from lightning_ckpt.profiler import probe_step
 from models import TinyChain, TinyCNN, tokens_batch
+
+from lightning_ckpt.profiling.blocks import candidate_containers, resolve_blocks
+from lightning_ckpt.profiling.profiler import probe_step
 
 
 def test_auto_detects_largest_container():

@@ -5,9 +5,13 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-
-from lightning_ckpt import ActivationCheckpointing, InfeasibleBudgetError, apply_segments
 from lit_models import LitChain, TokenData, make_trainer
+
+from lightning_ckpt import (
+    ActivationCheckpointing,
+    InfeasibleBudgetError,
+    apply_segments,
+)
 
 BUDGET = 10 * 2**20
 
@@ -25,7 +29,7 @@ def _peak_between_full_and_none(cb_policy="optimal"):
     """A budget that forces some but not all checkpointing, from a first planning run."""
     probe = ActivationCheckpointing(target_batch_size=8, memory_budget="1GiB", policy="none", verbose=False)
     _fit([probe], max_steps=1)
-    from lightning_ckpt.planner import make_plan
+    from lightning_ckpt.planning.policies import make_plan
 
     none = make_plan(probe.cost, "none").predicted_peak_bytes
     full = make_plan(probe.cost, "full").predicted_peak_bytes
@@ -111,13 +115,13 @@ def test_state_dict_keys_unchanged_and_checkpoint_loads_into_plain_model(tmp_pat
 
 def test_infeasible_target_names_largest_batch():
     probe, _ = _peak_between_full_and_none()
-    from lightning_ckpt.static_memory import StaticMemory
+    from lightning_ckpt.profiling.static_memory import StaticMemory
 
     static = StaticMemory(
         param_bytes=probe.cost.static_bytes, buffer_bytes=0, grad_bytes=0, optimizer_state_bytes=0,
         optimizer_transient_bytes=probe.cost.optimizer_transient_bytes,
     )
-    from lightning_ckpt.planner import make_plan
+    from lightning_ckpt.planning.policies import make_plan
 
     full_8 = make_plan(probe.cost, "full").predicted_peak_bytes
     budget = full_8 - 1  # batch 8 cannot fit even fully checkpointed
@@ -268,7 +272,7 @@ def test_max_batch_size_from_the_model(budget_midpoint):
     best = cb.batch_size
     assert best % 4 == 0 and best >= 8 and data.batch_size == best
     assert cb.plan.fits and cb.plan.batch_size == best
-    from lightning_ckpt.capacity import plan_if_fits
+    from lightning_ckpt.planning.capacity import plan_if_fits
 
     assert plan_if_fits(cb._cost_at(best + 4, cb._static), cb._budget_bytes) is None
     with pytest.raises(ValueError, match="batch_multiple=4 only applies to target_batch_size='max'"):

@@ -13,10 +13,20 @@ import random
 import pytest
 from test_planner import all_plans, brute_force, random_cost, uniform
 
-from lightning_ckpt.chain_dp import _reference_optimal_segments, solve_chain
-from lightning_ckpt.costs import BlockCost, MachineRates, StepCost
-from lightning_ckpt.memory_model import predict_peak, recompute_cost
-from lightning_ckpt.planner import InfeasibleBudgetError, every_k_segments, make_plan, optimal_segments
+from lightning_ckpt.planning.chain_planner import (
+    _reference_optimal_segments,
+    solve_chain,
+)
+from lightning_ckpt.planning.costs import BlockCost, StepCost
+from lightning_ckpt.planning.machine_rates import MachineRates
+from lightning_ckpt.planning.memory_model import predict_peak
+from lightning_ckpt.planning.policies import (
+    InfeasibleBudgetError,
+    every_k_segments,
+    make_plan,
+    optimal_segments,
+)
+from lightning_ckpt.planning.recompute_cost import recompute_cost
 
 BEAMS = (0, 1, 3)  # 0: one uncapped run; >0: a beam run bounds the exact run (forced on small chains)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from lightning_ckpt.chaining import receives_output, tensor_version
 from models import IdentityWrap
+
+from lightning_ckpt.profiling.chain_check import receives_output, tensor_version
 
 
 def _out():

@@ -15,7 +15,10 @@ import torch._inductor.config as inductor_config
 from torch._inductor.custom_graph_pass import CustomKnapsackSolver
 
 from lightning_ckpt.solvers import exact_knapsack
-from lightning_ckpt.solvers.compile_adapter import ExactKnapsackSolver, exact_knapsack_solver
+from lightning_ckpt.solvers.compile_adapter import (
+    ExactKnapsackSolver,
+    exact_knapsack_solver,
+)
 
 
 class Block(torch.nn.Module):

@@ -82,7 +82,7 @@ def test_max_batch_measured_under_budget(encoder_setup):
     """target_batch_size='max': the largest multiple of 8 that fits, checked by the tracker."""
     from train_encoder import SyntheticTextDataModule
 
-    from lightning_ckpt.capacity import largest_batch, plan_if_fits
+    from lightning_ckpt.planning.capacity import largest_batch, plan_if_fits
 
     model, opt, _, loss_fn, profile, cost = encoder_setup
     budget = 300 * 2**20

@@ -19,7 +19,13 @@ if str(ROOT) not in sys.path:  # the config names the classes as examples.train_
     sys.path.insert(0, str(ROOT))
 
 from examples import train_cnn as ex  # noqa: E402
-from lightning_ckpt import make_plan, measure_step_peak, profile_model, resolve_blocks, static_memory  # noqa: E402
+from lightning_ckpt import (  # noqa: E402
+    make_plan,
+    measure_step_peak,
+    profile_model,
+    resolve_blocks,
+    static_memory,
+)
 from lightning_ckpt.apply import apply_segments  # noqa: E402
 
 CHAIN = ["stem", "layer1.*", "layer2.*", "layer3.*", "layer4.*"]

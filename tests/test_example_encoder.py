@@ -95,7 +95,11 @@ def test_datamodule_honours_changed_batch_size_on_reload():
 def test_batch_size_set_like_batch_size_finder_reaches_the_loader(tmp_path):
     """`lightning_setattr(model, "batch_size", n)` + loader reload, inside a real fit."""
     from lightning.pytorch import Callback, Trainer
-    from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
+    from lightning.pytorch.utilities.parsing import (
+        lightning_getattr,
+        lightning_hasattr,
+        lightning_setattr,
+    )
 
     seen: list[int] = []
 

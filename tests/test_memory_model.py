@@ -16,15 +16,15 @@ import dataclasses
 
 import pytest
 import torch
-from torch import nn
 from test_planner import all_plans
+from torch import nn
 
 from lightning_ckpt.apply import apply_segments
-from lightning_ckpt.costs import BlockCost, StepCost
-from lightning_ckpt.measure import measure_step_peak
-from lightning_ckpt.memory_model import boundary_shifts, predict_peak
-from lightning_ckpt.profiler import probe_step
-from lightning_ckpt.static_memory import static_memory
+from lightning_ckpt.planning.costs import BlockCost, StepCost
+from lightning_ckpt.planning.memory_model import boundary_shifts, predict_peak
+from lightning_ckpt.profiling.profiler import probe_step
+from lightning_ckpt.profiling.static_memory import static_memory
+from lightning_ckpt.profiling.step_peak import measure_step_peak
 
 B, D, N = 256, 64, 5
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_ckpt.op_bytes import OpBytesCounter
-from lightning_ckpt.profiler import probe_step
+from lightning_ckpt.profiling.op_bytes import OpBytesCounter
+from lightning_ckpt.profiling.profiler import probe_step
 
 B, T, D, H = 4, 6, 8, 12  # batch, tokens, width in, width of the linear block
 F32 = 4

@@ -20,7 +20,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_ckpt import make_plan, measure_step_peak, profile_model, resolve_blocks, static_memory
+from lightning_ckpt import (
+    make_plan,
+    measure_step_peak,
+    profile_model,
+    resolve_blocks,
+    static_memory,
+)
 from lightning_ckpt.apply import apply_segments
 
 TARGET = 8

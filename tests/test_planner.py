@@ -9,15 +9,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_ckpt.costs import BlockCost, StepCost
-from lightning_ckpt.memory_model import predict_peak, recompute_cost
-from lightning_ckpt.planner import (
+from lightning_ckpt.planning.costs import BlockCost, StepCost
+from lightning_ckpt.planning.memory_model import predict_peak
+from lightning_ckpt.planning.policies import (
     InfeasibleBudgetError,
     every_k_segments,
     make_plan,
     optimal_segments,
     sqrt_segments,
 )
+from lightning_ckpt.planning.recompute_cost import recompute_cost
 
 MiB = 2**20
 
@@ -223,7 +224,7 @@ def test_plan_table_and_dict_roundtrip():
     text = str(plan)
     assert "checkpoint" in text and "budget 40.0 MiB" in text
     assert len([ln for ln in text.splitlines() if ln.strip().startswith(tuple("012345"))]) == 6
-    from lightning_ckpt.plan import Plan
+    from lightning_ckpt.planning.plan import Plan
 
     again = Plan.from_dict(plan.to_dict())
     assert again == plan
@@ -284,7 +285,7 @@ def test_time_metric_on_identical_blocks_plans_exactly_like_flops(frac):
     """Identical blocks cost the same under both metrics up to a factor, so the plans must be
     the same, tie-breaks included: time costs are summed exactly (whole nanoseconds), not in
     floats where 0.1 + 0.2 != 0.3 would decide between plans of equal cost."""
-    from lightning_ckpt.costs import MachineRates
+    from lightning_ckpt.planning.machine_rates import MachineRates
 
     base = uniform(48)
     blocks = tuple(BlockCost(**{**b.__dict__, "fwd_mem_bytes": 3 * MiB, "fwd_rng_bytes": MiB // 3}) for b in base.blocks)
@@ -300,8 +301,8 @@ def test_time_metric_on_identical_blocks_plans_exactly_like_flops(frac):
 
 
 def test_plan_table_shows_the_metric_and_estimated_time_and_roundtrips():
-    from lightning_ckpt.costs import MachineRates
-    from lightning_ckpt.plan import Plan
+    from lightning_ckpt.planning.machine_rates import MachineRates
+    from lightning_ckpt.planning.plan import Plan
 
     base = uniform(6)
     blocks = tuple(BlockCost(**{**b.__dict__, "fwd_mem_bytes": 10**6}) for b in base.blocks)

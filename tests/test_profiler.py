@@ -7,9 +7,17 @@ import random
 import numpy as np
 import pytest
 import torch
+from models import (
+    FedChain,
+    IdentityWrap,
+    TinyChain,
+    TinyCNN,
+    tokens_batch,
+    wrap_like_zero3,
+)
 
-from lightning_ckpt.profiler import batch_size_of, probe_step, profile_model, slice_batch
-from models import FedChain, IdentityWrap, TinyChain, TinyCNN, tokens_batch, wrap_like_zero3
+from lightning_ckpt.profiling.batch import batch_size_of, slice_batch
+from lightning_ckpt.profiling.profiler import probe_step, profile_model
 
 
 def _chain_loss(model):

@@ -10,8 +10,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_ckpt import MachineRates, Profile, StepCost, make_plan, measure_rates, profile_model
-from lightning_ckpt.memory_model import block_recompute, recompute_cost
+from lightning_ckpt import (
+    MachineRates,
+    Profile,
+    StepCost,
+    make_plan,
+    measure_rates,
+    profile_model,
+)
+from lightning_ckpt.planning.recompute_cost import block_recompute, recompute_cost
 
 
 class EncoderThenNorm(nn.Module):

@@ -5,10 +5,15 @@ from __future__ import annotations
 import json
 
 import matplotlib.image as mpimg
-
-from lightning_ckpt.planner import make_plan
-from lightning_ckpt.report import plot_tradeoff, tradeoff_curve, tradeoff_figure, write_json
 from test_capacity import cost_at
+
+from lightning_ckpt.planning.policies import make_plan
+from lightning_ckpt.report import (
+    plot_tradeoff,
+    tradeoff_curve,
+    tradeoff_figure,
+    write_json,
+)
 
 
 def test_curve_is_monotone_and_between_full_and_none():
@@ -41,8 +46,8 @@ def test_json_and_png_written_and_plot_marks_budget_and_choice(tmp_path):
 
 def test_plot_axis_follows_the_cost_metric(tmp_path):
     """With cost_metric='time' the curve and the chosen plan are in estimated ms, not GFLOP."""
-    from lightning_ckpt.costs import MachineRates
-    from lightning_ckpt.costs import StepCost
+    from lightning_ckpt.planning.costs import StepCost
+    from lightning_ckpt.planning.machine_rates import MachineRates
 
     cost = cost_at(8)
     rates = MachineRates(flop_per_s=1e11, mem_byte_per_s=1e10, rng_byte_per_s=1e9)

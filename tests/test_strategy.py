@@ -151,8 +151,9 @@ def test_cpu_passes_local_rank_as_device_rank(monkeypatch):
 
 
 def test_strategy_static_memory_is_the_zero_model():
-    from lightning_ckpt import DeepSpeedStrategy, zero_memory
     from models import TinyChain
+
+    from lightning_ckpt import DeepSpeedStrategy, zero_memory
 
     net = TinyChain(n_blocks=3, d=16)
     strategy = DeepSpeedStrategy(stage=3, param_persistence_threshold=0, reduce_bucket_size=1000)
@@ -171,9 +172,9 @@ def test_strategy_static_memory_is_the_zero_model():
 
 def test_profiling_context_pauses_gradient_hooks():
     import torch
+    from models import TinyChain
 
     from lightning_ckpt import DeepSpeedStrategy
-    from models import TinyChain
 
     net = TinyChain(n_blocks=2, d=8)
     fired = []
@@ -194,9 +195,9 @@ def test_bf16_autocast_activation_peak_within_10_percent():
     autocast, where layer norms, softmax and the loss stay fp32; the predicted peak of
     forward + backward is within 10 % of the measured one, and it is not half of fp32's."""
     import torch
+    from lit_models import LitChain, TokenData, make_trainer
 
     from lightning_ckpt import ActivationCheckpointing
-    from lit_models import LitChain, TokenData, make_trainer
 
     found = {}
     for precision in ("32-true", "bf16-mixed"):
@@ -459,7 +460,7 @@ def held_bytes(engine, module) -> int:
     gradients, buffers, and every tensor reachable from DeepSpeed's optimizer object."""
     import torch
 
-    from lightning_ckpt.tracker import unique_storage_bytes
+    from lightning_ckpt.profiling.tracker import unique_storage_bytes
 
     found: list = []
     seen: set[int] = set()
@@ -495,9 +496,9 @@ def _activation_probe(cb):
 
     import lightning.pytorch as pl
 
-    from lightning_ckpt.callback import _muted_logging
-    from lightning_ckpt.memory_model import predict_peak
-    from lightning_ckpt.tracker import LiveBytesTracker
+    from lightning_ckpt.integrations.callback import _muted_logging
+    from lightning_ckpt.planning.memory_model import predict_peak
+    from lightning_ckpt.profiling.tracker import LiveBytesTracker
 
     class ActivationProbe(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -599,8 +600,8 @@ def _skew_run(rank: int) -> dict:
     rank 1's the shallower. The budget lets about half the blocks be checkpointed."""
     import torch.distributed as dist
 
-    import lightning_ckpt.profiler as profiler
-    from lightning_ckpt.planner import make_plan
+    import lightning_ckpt.profiling.profiler as profiler
+    from lightning_ckpt.planning.policies import make_plan
 
     first = _callback(policy="none")
     _fit(_ds(2), "32-true", [first])
@@ -640,7 +641,7 @@ def _injected_failures(rank: int) -> dict:
     """Profiling raises on one rank only (a non-ValueError): first rank 1, then rank 0."""
     import warnings
 
-    import lightning_ckpt.callback as callback_module
+    import lightning_ckpt.integrations.callback as callback_module
 
     original = callback_module.profile_model
     out = {}

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import pytest
-
-from lightning_ckpt.static_memory import StaticMemory
-from lightning_ckpt.zero_memory import PRECISIONS, STAGES, ZeroMemory, zero_memory, zero_static_memory
 from models import TinyChain
+
+from lightning_ckpt.profiling.static_memory import StaticMemory
+from lightning_ckpt.profiling.zero_memory import (
+    PRECISIONS,
+    STAGES,
+    ZeroMemory,
+    zero_memory,
+    zero_static_memory,
+)
 
 # (elements, trainable): a 1000-element matrix, a 10-element bias, a frozen 500-element table
 PARAMS = [(1000, True), (10, True), (500, False)]

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-
 # Stands for an infinite ratio (nothing left to drop) without 0 * inf = nan.
 _HUGE = 1e300
 

@@ -51,7 +51,10 @@ def exact_knapsack_solver(runtime_estimator: RuntimeEstimator | None = None) -> 
 
 @functools.cache
 def _solver_class() -> type:
-    from torch._inductor.custom_graph_pass import CustomKnapsackSolver, get_hash_for_files
+    from torch._inductor.custom_graph_pass import (
+        CustomKnapsackSolver,
+        get_hash_for_files,
+    )
 
     from lightning_ckpt.solvers.knapsack import exact_knapsack
 

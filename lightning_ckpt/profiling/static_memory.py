@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_ckpt.tracker import unique_storage_bytes
+from lightning_ckpt.profiling.tracker import unique_storage_bytes
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_ckpt.costs import MachineRates
-from lightning_ckpt.op_bytes import OpBytesCounter
+from lightning_ckpt.planning.machine_rates import MachineRates
+from lightning_ckpt.profiling.op_bytes import OpBytesCounter
 
 __all__ = ["measure_rates"]
 

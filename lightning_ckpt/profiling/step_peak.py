@@ -1,4 +1,4 @@
-"""Measure the real peak of one training step, for tests and benchmarks.
+"""The one home for measuring a real peak: of a function, or of one training step.
 
 The step runs in Lightning's order (forward and loss, `zero_grad`, backward,
 optimizer step). On CPU the peak comes from `LiveBytesTracker` with parameters,
@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt.tracker import LiveBytesTracker, cuda_peak
+from lightning_ckpt.profiling.tracker import LiveBytesTracker
 
-__all__ = ["measure_step_peak", "state_tensors"]
+__all__ = ["cuda_peak", "measure_peak", "measure_step_peak", "state_tensors"]
 
 
 def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[torch.Tensor]:
@@ -54,3 +54,19 @@ def measure_step_peak(
         tracker.reset_peak()
         _step(model, loss_fn, batch, optimizer)
     return tracker.peak_bytes
+
+
+def measure_peak(fn: Callable[[], Any], baseline_bytes: int = 0) -> int:
+    """Peak live bytes while running `fn()` (plus a constant baseline)."""
+    with LiveBytesTracker() as tracker:
+        fn()
+    return baseline_bytes + tracker.peak_bytes
+
+
+def cuda_peak(fn: Callable[[], Any], device: torch.device | None = None) -> int:
+    """Peak allocated CUDA bytes while running `fn()` (the allocator's own counter)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.max_memory_allocated(device))

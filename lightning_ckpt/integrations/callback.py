@@ -18,18 +18,24 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
-from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
+from lightning.pytorch.utilities.parsing import (
+    lightning_getattr,
+    lightning_hasattr,
+    lightning_setattr,
+)
 
 from lightning_ckpt.apply import AppliedPlan, apply_segments
-from lightning_ckpt.blocks import resolve_blocks
-from lightning_ckpt.capacity import largest_batch
-from lightning_ckpt.costs import StepCost
-from lightning_ckpt.plan import Plan, format_bytes
-from lightning_ckpt.planner import COST_METRICS, POLICIES, InfeasibleBudgetError, make_plan
-from lightning_ckpt.profile import Profile
-from lightning_ckpt.profiler import batch_size_of, profile_model
-from lightning_ckpt.static_memory import StaticMemory, static_memory
-from lightning_ckpt.tracker import LiveBytesTracker
+from lightning_ckpt.planning.capacity import largest_batch
+from lightning_ckpt.planning.costs import StepCost
+from lightning_ckpt.planning.linear_fit import Profile
+from lightning_ckpt.planning.plan import Plan, format_bytes
+from lightning_ckpt.planning.policies import POLICIES, InfeasibleBudgetError, make_plan
+from lightning_ckpt.planning.recompute_cost import COST_METRICS
+from lightning_ckpt.profiling.batch import batch_size_of
+from lightning_ckpt.profiling.blocks import resolve_blocks
+from lightning_ckpt.profiling.profiler import profile_model
+from lightning_ckpt.profiling.static_memory import StaticMemory, static_memory
+from lightning_ckpt.profiling.tracker import LiveBytesTracker
 from lightning_ckpt.units import parse_bytes
 
 DEFAULT_CUDA_FRACTION = 0.9
@@ -65,7 +71,7 @@ class ActivationCheckpointing(Callback):
         every_k: blocks per segment for ``policy="every_k"``; None picks the smallest k that fits.
         cost_metric: what recompute is measured in when choosing: ``time`` (the default;
             estimated ms: the counted FLOPs, bytes written by ops without FLOPs and random
-            bytes, each at a rate measured once on this device; see `lightning_ckpt.rates`),
+            bytes, each at a rate measured once on this device; see `lightning_ckpt.profiling.rates`),
             ``flops`` (FLOPs counted by torch: independent of the machine, but layer norm,
             softmax, GELU and dropout count 0, so blocks made of them look free) or ``ms``
             (each block's forward timed once while profiling: noisy).
@@ -297,7 +303,7 @@ class ActivationCheckpointing(Callback):
             torch.cuda.reset_peak_memory_stats(device)
             self._measuring_cuda = True
             return
-        from lightning_ckpt.measure import state_tensors
+        from lightning_ckpt.profiling.step_peak import state_tensors
 
         tracker = LiveBytesTracker()
         tracker.__enter__()

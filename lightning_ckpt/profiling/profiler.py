@@ -11,9 +11,7 @@ machine's rates once (`rates`), so that counted work can be turned into time.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import random
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,113 +20,20 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_ckpt.chaining import receives_output, tensor_version
-from lightning_ckpt.costs import BlockCost, MachineRates, StepCost
-from lightning_ckpt.op_bytes import OpBytesCounter
-from lightning_ckpt.profile import Profile
-from lightning_ckpt.tracker import LiveBytesTracker, _storage_key, storage_bytes
+from lightning_ckpt.planning.costs import BlockCost, StepCost
+from lightning_ckpt.planning.linear_fit import Profile
+from lightning_ckpt.planning.machine_rates import MachineRates
+from lightning_ckpt.profiling.batch import batch_size_of, first_tensor, slice_batch
+from lightning_ckpt.profiling.chain_check import receives_output, tensor_version
+from lightning_ckpt.profiling.op_bytes import OpBytesCounter
+from lightning_ckpt.profiling.state import preserved_state
+from lightning_ckpt.profiling.tracker import (
+    LiveBytesTracker,
+    _storage_key,
+    storage_bytes,
+)
 
 StepFn = Callable[[Any], torch.Tensor]
-
-
-# ----------------------------------------------------------------------------- batches
-
-
-def batch_size_of(batch: Any) -> int:
-    """The leading dimension shared by the batch's tensors."""
-    sizes = {t.shape[0] for t in _tensors(batch) if t.dim() > 0}
-    if len(sizes) != 1:
-        raise ValueError(
-            f"cannot tell the batch size: the batch's tensors have leading dimensions {sorted(sizes)}; "
-            "lightning-ckpt slices batches along dimension 0, so every tensor in the batch needs the same one."
-        )
-    return sizes.pop()
-
-
-def slice_batch(batch: Any, n: int) -> Any:
-    """The first `n` samples of a batch (tensors, tuples, lists, dicts, nested), copied."""
-    if isinstance(batch, torch.Tensor):
-        # a copy, not a view: a view keeps (and measures as) the whole batch's storage
-        return batch[:n].clone() if batch.dim() > 0 else batch
-    if isinstance(batch, dict):
-        return type(batch)((k, slice_batch(v, n)) for k, v in batch.items())
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(slice_batch(v, n) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(slice_batch(v, n) for v in batch)
-    return batch
-
-
-def _tensors(obj: Any):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
-
-
-def _first_tensor(obj: Any) -> torch.Tensor | None:
-    return next(iter(_tensors(obj)), None)
-
-
-# ----------------------------------------------------------------------------- state
-
-
-@contextlib.contextmanager
-def preserved_state(model: nn.Module):
-    """Restore RNG streams, buffers and `.grad` of every parameter on exit."""
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    py_rng = random.getstate()
-    try:
-        import numpy as np
-
-        np_rng = np.random.get_state()
-    except ImportError:  # pragma: no cover
-        np_rng = None
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    params = list(model.parameters())
-    grads = [p.grad for p in params]
-    modes = [(m, m.training) for m in model.modules()]
-    metrics = [(m, _metric_state(m)) for m in model.modules() if _is_metric(m)]
-    for p in params:
-        p.grad = None
-    try:
-        yield
-    finally:
-        for p, g in zip(params, grads):
-            p.grad = g
-        with torch.no_grad():
-            for b, copy in buffers:
-                b.copy_(copy)
-        for m, mode in modes:
-            m.training = mode
-        for m, state in metrics:
-            for k, v in state.items():
-                setattr(m, k, v)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-        random.setstate(py_rng)
-        if np_rng is not None:
-            import numpy as np
-
-            np.random.set_state(np_rng)
-
-
-def _is_metric(m: nn.Module) -> bool:
-    """A torchmetrics `Metric` (duck-typed: its states live outside buffers)."""
-    return isinstance(getattr(m, "_defaults", None), dict) and hasattr(m, "_update_count")
-
-
-def _metric_state(m: nn.Module) -> dict:
-    import copy
-
-    keys = [*m._defaults, "_update_count", "_computed"]
-    return {k: copy.deepcopy(getattr(m, k)) for k in keys if hasattr(m, k)}
 
 
 # ----------------------------------------------------------------------------- one probe
@@ -201,7 +106,7 @@ class _Probe:
                 "Reorder blocks, or name a container whose children run in order."
             )
         self.next_block = i + 1
-        first = _first_tensor(args) if args else _first_tensor(kwargs)
+        first = first_tensor(args) if args else first_tensor(kwargs)
         if i > 0:
             # the previous output itself, or an alias of it (ZeRO-3 re-wraps it): see `receives_output`
             self.chains[i] = bool(args) and receives_output(args[0], self.prev_output, self.prev_version)
@@ -221,7 +126,7 @@ class _Probe:
 
     def post_hook(self, module, args, output):
         i = self._index(module)
-        out = _first_tensor(output)
+        out = first_tensor(output)
         self.prev_output = out
         self.prev_version = tensor_version(out)
         live = self.tracker.live_bytes
@@ -483,7 +388,7 @@ def profile_model(
     if check_batch_size is not None and check_batch_size not in probe_batch_sizes:
         check = probe_step(model, blocks, step_fn, slice_batch(batch, check_batch_size), names, timing=False)
     if rates is None and timing:
-        from lightning_ckpt.rates import measure_rates
+        from lightning_ckpt.profiling.rates import measure_rates
 
         rates = measure_rates(**probes[-1].meta["work"])
     if rates is not None:

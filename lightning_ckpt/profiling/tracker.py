@@ -9,14 +9,14 @@ RSS. `measure_peak` wraps one callable; on CUDA `cuda_peak` reads the allocator.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["LiveBytesTracker", "measure_peak", "storage_bytes", "unique_storage_bytes"]
+__all__ = ["LiveBytesTracker", "storage_bytes", "unique_storage_bytes"]
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
@@ -120,19 +120,3 @@ class LiveBytesTracker(TorchDispatchMode):
             fin.detach()
         self._finalizers.clear()
         return result
-
-
-def measure_peak(fn: Callable[[], Any], baseline_bytes: int = 0) -> int:
-    """Peak live bytes while running `fn()` (plus a constant baseline)."""
-    with LiveBytesTracker() as tracker:
-        fn()
-    return baseline_bytes + tracker.peak_bytes
-
-
-def cuda_peak(fn: Callable[[], Any], device: torch.device | None = None) -> int:
-    """Peak allocated CUDA bytes while running `fn()` (the allocator's own counter)."""
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    fn()
-    torch.cuda.synchronize(device)
-    return int(torch.cuda.max_memory_allocated(device))

@@ -16,13 +16,15 @@ from typing import Any
 
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator
-from lightning.pytorch.strategies import DeepSpeedStrategy as _LightningDeepSpeedStrategy
+from lightning.pytorch.strategies import (
+    DeepSpeedStrategy as _LightningDeepSpeedStrategy,
+)
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from lightning_ckpt.static_memory import StaticMemory
-from lightning_ckpt.zero_memory import PRECISIONS, ZeroMemory, zero_memory
+from lightning_ckpt.profiling.static_memory import StaticMemory
+from lightning_ckpt.profiling.zero_memory import PRECISIONS, ZeroMemory, zero_memory
 
 __all__ = ["DeepSpeedStrategy"]
 

@@ -11,20 +11,21 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_ckpt.costs import StepCost, ckpt_forward_bytes
-from lightning_ckpt.memory_model import (
-    COST_METRICS,
-    block_recompute,
+from lightning_ckpt.planning.costs import StepCost, ckpt_forward_bytes
+from lightning_ckpt.planning.memory_model import (
     end_need,
-    metric_rates,
     predict_peak,
-    recompute_cost,
     segment_of,
-    segment_overhead,
-    skipped_tail,
     validate_segments,
 )
-from lightning_ckpt.plan import BlockRow, Plan, format_bytes
+from lightning_ckpt.planning.plan import BlockRow, Plan, format_bytes
+from lightning_ckpt.planning.recompute_cost import (
+    block_recompute,
+    metric_rates,
+    recompute_cost,
+    segment_overhead,
+    skipped_tail,
+)
 
 POLICIES = ("none", "full", "every_k", "sqrt", "greedy", "optimal")
 
@@ -180,7 +181,7 @@ def optimal_segments(
 ) -> list[tuple[int, int]]:
     """Exact minimum-recompute plan under the memory model; among those, the lowest peak.
 
-    Solved by `lightning_ckpt.chain_dp.solve_chain`: a backward Pareto DP over
+    Solved by `lightning_ckpt.planning.chain_planner.solve_chain`: a backward Pareto DP over
     (suffix demand, recompute) whose frontier at the first block directly holds the
     lowest peak for every cost, so the tie-break needs no budget bisection; a pool of
     segment continuations with exact dominance and a bounding beam run plan 1,000
@@ -188,7 +189,7 @@ def optimal_segments(
     are much slower: see chain_dp's "Cost"). `_least_recompute` (below) is the
     original forward DP, kept as the reference the tests hold the fast solver to.
     """
-    from lightning_ckpt.chain_dp import solve_chain
+    from lightning_ckpt.planning.chain_planner import solve_chain
 
     found = solve_chain(cost, budget_bytes, metric, max_segment_blocks)
     if found is None:

@@ -118,7 +118,7 @@ class Plan:
         if estimated:
             rates = ""
             if self.rates is not None:
-                from lightning_ckpt.costs import MachineRates
+                from lightning_ckpt.planning.machine_rates import MachineRates
 
                 rates = f" at {MachineRates.from_dict(self.rates)}"
             lines.append(

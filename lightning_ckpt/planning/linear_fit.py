@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from lightning_ckpt.costs import BlockCost, StepCost
+from lightning_ckpt.planning.costs import BlockCost, StepCost
 
 _BLOCK_LINEAR = (
     "saved_bytes",

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_ckpt.tracker import _storage_key
+from lightning_ckpt.profiling.tracker import _storage_key
 
 __all__ = ["OpBytesCounter", "written_bytes"]
 

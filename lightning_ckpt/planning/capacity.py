@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from lightning_ckpt.costs import StepCost
-from lightning_ckpt.plan import Plan
-from lightning_ckpt.planner import InfeasibleBudgetError, make_plan
+from lightning_ckpt.planning.costs import StepCost
+from lightning_ckpt.planning.plan import Plan
+from lightning_ckpt.planning.policies import InfeasibleBudgetError, make_plan
 
 CostAt = Callable[[int], StepCost]
 

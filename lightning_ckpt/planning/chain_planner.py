@@ -101,8 +101,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lightning_ckpt.costs import StepCost, ckpt_forward_bytes
-from lightning_ckpt.memory_model import block_recompute, end_need, metric_rates, segment_overhead, skipped_tail
+from lightning_ckpt.planning.costs import StepCost, ckpt_forward_bytes
+from lightning_ckpt.planning.memory_model import end_need
+from lightning_ckpt.planning.recompute_cost import (
+    block_recompute,
+    metric_rates,
+    segment_overhead,
+    skipped_tail,
+)
 
 Segments = list[tuple[int, int]]
 
@@ -556,7 +562,7 @@ def _reference_least_recompute(
     cost_cap: float = math.inf,
 ) -> tuple[float, Segments] | None:
     """The original forward (R, C) Pareto DP (`planner._least_recompute`): slow, simple."""
-    from lightning_ckpt.planner import _least_recompute
+    from lightning_ckpt.planning.policies import _least_recompute
 
     return _least_recompute(cost, budget_bytes, metric, max_segment_blocks, cost_cap=cost_cap)
 
@@ -567,7 +573,7 @@ def _reference_optimal_segments(
     """The original `optimal`: the least recompute C* from the reference DP, then the
     lowest peak by bisecting the budget (the smallest budget at which C* is still
     reachable is the lowest peak of any plan costing C*). None when nothing fits."""
-    from lightning_ckpt.memory_model import predict_peak
+    from lightning_ckpt.planning.memory_model import predict_peak
 
     found = _reference_least_recompute(cost, budget_bytes, metric, max_segment_blocks)
     if found is None:

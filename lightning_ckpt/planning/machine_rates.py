@@ -1,0 +1,69 @@
+"""How fast a device does each kind of forward work: the parameters of the `time` cost metric.
+
+Plain data: `profiling.rates.measure_rates` measures them, `planning.recompute_cost`
+turns counted work into estimated time with them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MachineRates:
+    """How fast the profiled device does each kind of forward work (`rates.measure_rates`).
+
+    flop_per_s: FLOPs per second of a square matmul in `flop_dtype`.
+    mem_byte_per_s: bytes written per second by a fixed mix of memory-bound ops
+        (add, mul, GELU, softmax, layer norm) in `mem_dtype`.
+    rng_byte_per_s: bytes written per second by `bernoulli_` (dropout's mask) in `mem_dtype`.
+    segment_s: fixed seconds one checkpointed segment adds to a step whatever it holds
+        (entering and leaving the checkpoint, saving the RNG state, starting the
+        recompute); 0 when not measured. It keeps a segment whose recompute is free
+        (a block whose only op runs after its last saved tensor) from looking free.
+    device, flop_dtype, mem_dtype: where and in what they were measured.
+
+    `fwd_ms` turns a block's counted work into estimated milliseconds: the
+    `cost_metric="time"` of the planner.
+    """
+
+    flop_per_s: float
+    mem_byte_per_s: float
+    rng_byte_per_s: float
+    segment_s: float = 0.0
+    device: str = "cpu"
+    flop_dtype: str = "torch.float32"
+    mem_dtype: str = "torch.float32"
+
+    def __post_init__(self) -> None:
+        for name in ("flop_per_s", "mem_byte_per_s", "rng_byte_per_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+                raise ValueError(
+                    f"MachineRates: {name}={value!r} must be a positive finite rate; measure it with "
+                    "lightning_ckpt.profiling.rates.measure_rates() or give a positive number."
+                )
+        if not (isinstance(self.segment_s, (int, float)) and 0 <= self.segment_s < float("inf")):
+            raise ValueError(
+                f"MachineRates: segment_s={self.segment_s!r} must be a finite number of seconds >= 0 "
+                "(the fixed cost of one checkpointed segment); use 0 to leave it out."
+            )
+
+    def fwd_ms(self, flops: float, mem_bytes: float, rng_bytes: float) -> float:
+        """Estimated milliseconds of work: each kind at its own rate, added."""
+        return 1e3 * (flops / self.flop_per_s + mem_bytes / self.mem_byte_per_s + rng_bytes / self.rng_byte_per_s)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "MachineRates":
+        return cls(**data)
+
+    def __str__(self) -> str:
+        return (
+            f"{self.flop_per_s / 1e9:.1f} GFLOP/s ({self.flop_dtype.removeprefix('torch.')}), "
+            f"{self.mem_byte_per_s / 1e9:.2f} GB/s memory-bound, {self.rng_byte_per_s / 1e9:.2f} GB/s random "
+            f"({self.mem_dtype.removeprefix('torch.')}), {1e6 * self.segment_s:.0f} us per segment on {self.device}"
+        )

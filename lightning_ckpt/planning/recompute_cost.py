@@ -1,0 +1,91 @@
+"""What recomputing blocks costs, in one of three metrics (apart from memory).
+
+flops: FLOPs counted by torch (deterministic; ops without FLOPs, like layer norm,
+count 0). ms: each block's forward timed once when profiling (noisy). time:
+estimated milliseconds, the block's FLOPs, memory-bound bytes and random bytes each
+at the machine rate measured with the profile (`MachineRates`). Every checkpointed
+block is rebuilt once; a segment's last block skips its ops after its last saved
+tensor (torch's early stop); a segment adds a fixed, measured overhead in `time`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from lightning_ckpt.planning.costs import StepCost
+from lightning_ckpt.planning.machine_rates import MachineRates
+
+Segments = Sequence[tuple[int, int]]
+
+COST_METRICS = ("flops", "ms", "time")
+
+
+def metric_rates(cost: StepCost, metric: str) -> MachineRates | None:
+    """The machine rates `metric` needs from `cost`: those of the profile for `time`, else None."""
+    if metric not in COST_METRICS:
+        raise ValueError(f"metric={metric!r} is not a known recompute cost; choose one of {', '.join(COST_METRICS)}.")
+    if metric != "time":
+        return None
+    rates = cost.rates
+    if rates is None:
+        raise ValueError(
+            "metric='time' turns counted FLOPs and bytes into time at the machine rates measured with the "
+            "profile, but this StepCost has none (meta['rates'] is missing). Profile with "
+            "profile_model(..., timing=True) (the default) or rates=MachineRates(...), or use metric='flops'."
+        )
+    return rates
+
+
+def block_recompute(block, metric: str = "flops", rates: MachineRates | None = None) -> float:
+    """Forward cost of one block in `metric` (`flops`, `ms`, or `time` with `rates`)."""
+    if metric == "flops":
+        return block.fwd_flops
+    if metric == "ms":
+        return block.fwd_ms
+    return _need_rates(rates, metric).fwd_ms(block.fwd_flops, block.fwd_mem_bytes, block.fwd_rng_bytes)
+
+
+def skipped_tail(block, metric: str = "flops", rates: MachineRates | None = None) -> float:
+    """What torch's early stop skips when `block` ends a segment: the ops after its
+    last saved tensor (`tail_flops`; measured times scaled by the same fraction;
+    estimated times from the tail's own FLOPs and bytes)."""
+    if metric == "flops":
+        return block.tail_flops
+    if metric == "ms":
+        return block.fwd_ms * (block.tail_flops / block.fwd_flops) if block.fwd_flops else 0.0
+    return _need_rates(rates, metric).fwd_ms(block.tail_flops, block.tail_mem_bytes, block.tail_rng_bytes)
+
+
+def _need_rates(rates: MachineRates | None, metric: str) -> MachineRates:
+    if metric != "time":
+        raise ValueError(f"metric={metric!r} is not a known recompute cost; choose one of {', '.join(COST_METRICS)}.")
+    if rates is None:
+        raise ValueError("metric='time' needs the machine rates: pass rates=cost.rates (see metric_rates).")
+    return rates
+
+
+def segment_cost(
+    cost: StepCost, first: int, last: int, metric: str = "flops", rates: MachineRates | None = None
+) -> float:
+    """What rebuilding one segment costs: the forward of its blocks, each once, less
+    the skipped tail of its last block. `rates` default to the profile's (`time`)."""
+    if rates is None:
+        rates = metric_rates(cost, metric)
+    blocks = cost.blocks
+    return (
+        sum(block_recompute(blocks[i], metric, rates) for i in range(first, last + 1))
+        - skipped_tail(blocks[last], metric, rates)
+        + segment_overhead(metric, rates)
+    )
+
+
+def segment_overhead(metric: str, rates: MachineRates | None) -> float:
+    """The fixed cost of one checkpointed segment in `metric`: measured for `time`
+    (`MachineRates.segment_s`), none in counted FLOPs or per-block timings."""
+    return 1e3 * rates.segment_s if metric == "time" and rates is not None else 0  # an int: FLOPs stay exact
+
+
+def recompute_cost(cost: StepCost, segments: Segments, metric: str = "flops") -> float:
+    """Recompute cost of a plan: every checkpointed block is rebuilt exactly once."""
+    rates = metric_rates(cost, metric)
+    return sum(segment_cost(cost, a, b, metric, rates) for a, b in segments)
