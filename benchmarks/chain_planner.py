@@ -8,7 +8,7 @@ For each chain shape and length n, at budgets 25 %, 50 % and 75 % of the way fro
 the `full` peak to the `none` peak, time `optimal_segments` (the fast solver,
 `lightning_ckpt.planning.chain_planner.solve_chain`) and, where it can run in reasonable time,
 the original forward DP with its budget-bisection tie-break
-(`chain_dp._reference_optimal_segments`, in a subprocess given up after
+(`reference_optimal_segments` of tests/oracles.py, in a subprocess given up after
 `--old-timeout` seconds); both answers must agree on (recompute, predicted peak).
 Times are wall-clock seconds, best of `--repeat` runs (planning is deterministic;
 the best run is the one least disturbed by other load on the machine; runs over
@@ -17,7 +17,7 @@ solver is single-threaded, so on a shared machine CPU time is what an idle core
 would take.
 
 Shapes:
-- `uniform`: `uniform(n)` of tests/test_planner.py (10 MiB saved, 0.5 MiB boundary).
+- `uniform`: `uniform(n)` of tests/test_policies.py (10 MiB saved, 0.5 MiB boundary).
 - `encoder`: the 48-block text encoder of examples/train_encoder.py profiled at batch
   16 (every block identical), its block costs repeated to n blocks and its parameter
   memory scaled with n. The profile recorded below is used unless `--profile`
@@ -26,8 +26,8 @@ Shapes:
   activation bytes halving and the parameters quadrupling from stage to stage.
 - `encoder~5%`: the encoder with every byte and FLOP count of every block jittered by
   up to +-5 % (seeded): no two blocks tie, bytes and FLOPs stay correlated (what
-  measured `ms` costs look like). The hard case: see `chain_dp`'s "Cost".
-- `random`: `random_cost(random.Random(n), n)` of tests/test_planner.py, the
+  measured `ms` costs look like). The hard case: see `chain_planner`'s "Cost".
+- `random`: `random_cost(random.Random(n), n)` of tests/test_policies.py, the
   adversarial heterogeneous chains of the brute-force tests (bytes and FLOPs drawn
   independently per block, 10 % unchainable blocks).
 """
@@ -46,7 +46,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from lightning_ckpt.planning.chain_planner import _reference_optimal_segments  # noqa: E402
+from oracles import reference_optimal_segments  # noqa: E402  (tests/oracles.py)
+
 from lightning_ckpt.planning.costs import BlockCost, StepCost  # noqa: E402
 from lightning_ckpt.planning.memory_model import predict_peak  # noqa: E402
 from lightning_ckpt.planning.policies import every_k_segments, optimal_segments  # noqa: E402
@@ -77,13 +78,13 @@ ENCODER_STEP = dict(
 
 
 def _uniform(n: int) -> StepCost:
-    from test_planner import uniform
+    from test_policies import uniform
 
     return uniform(n)
 
 
 def _random(n: int) -> StepCost:
-    from test_planner import random_cost
+    from test_policies import random_cost
 
     return random_cost(random.Random(n), n)
 
@@ -173,7 +174,7 @@ def timed(fn, repeat: int):
 
 def _old_child(conn, cost, budget):
     t0 = time.perf_counter()
-    segs = _reference_optimal_segments(cost, budget)
+    segs = reference_optimal_segments(cost, budget)
     conn.send((time.perf_counter() - t0, segs))
 
 

@@ -1,11 +1,8 @@
 """Command line: preview a plan from a LightningCLI config without training.
 
-    python -m lightning_ckpt plan --config configs/encoder48.yaml
-
-The config is read by `LightningCLI` (model and data given by `class_path`), the
-trainer runs its normal set-up up to the first batch, the `ActivationCheckpointing`
-callback from the config profiles and plans, and the run stops before any
-optimizer step: the plan table is printed and the JSON and plot are written.
+`python -m lightning_ckpt plan --config configs/encoder48.yaml` builds the run with LightningCLI, lets the
+config's `ActivationCheckpointing` plan on the first batch, stops before any optimizer step, prints the
+plan and writes the report.
 """
 
 from __future__ import annotations
@@ -15,32 +12,11 @@ import sys
 
 
 def preview(config: list[str], overrides: list[str]):
-    """Build the run from the config, plan on its first batch, stop: -> (callback, trainer) or None."""
-    from lightning.pytorch import LightningDataModule, LightningModule
-    from lightning.pytorch.cli import LightningCLI
+    """Build the run from the config, plan on its first batch, stop: -> (callback, trainer) or None.
+    Lightning is imported only here, so `--help` stays fast."""
+    from lightning_ckpt.integrations.preview import plan_preview
 
-    from lightning_ckpt.integrations.callback import ActivationCheckpointing, PlanOnly
-
-    args = [a for c in config for a in ("--config", c)] + overrides
-    cli = LightningCLI(
-        LightningModule,
-        LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        run=False,
-        args=args,
-        save_config_callback=None,
-    )
-    callbacks = [cb for cb in cli.trainer.callbacks if isinstance(cb, ActivationCheckpointing)]
-    if not callbacks:
-        return None
-    cb = callbacks[0]
-    cb.plan_only, cb.verbose, cb.report = True, False, True
-    try:
-        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    except PlanOnly:
-        pass
-    return cb, cli.trainer
+    return plan_preview(config, overrides)
 
 
 def _preview(config: list[str], overrides: list[str]) -> int:
@@ -57,7 +33,7 @@ def _preview(config: list[str], overrides: list[str]) -> int:
         print("error: training ended before the first batch, so no plan was made.", file=sys.stderr)
         return 1
     print(cb.plan)
-    for path in getattr(cb, "report_paths", []):
+    for path in cb.report_paths:
         print(f"wrote {path}")
     return 0
 

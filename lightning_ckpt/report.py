@@ -1,8 +1,8 @@
 """The plan report: JSON of the plan and its profile, and the memory/recompute trade-off plot.
 
-The trade-off curve is the optimal plan's recompute at every budget between the
-`full` and `none` peaks; the fixed policies are points on the same axes, with
-the chosen plan and the budget marked. matplotlib is imported only here.
+The curve is the optimal plan's recompute at every budget between the `full` and `none` peaks, with the
+fixed policies, the chosen plan and the budget marked. `plan_summary` and `plan_metrics` are what the
+callback prints and logs. matplotlib is imported only here.
 """
 
 from __future__ import annotations
@@ -13,8 +13,11 @@ from pathlib import Path
 
 from lightning_ckpt.planning.costs import StepCost
 from lightning_ckpt.planning.linear_fit import Profile
-from lightning_ckpt.planning.plan import Plan
+from lightning_ckpt.planning.plan import Plan, format_bytes
 from lightning_ckpt.planning.policies import InfeasibleBudgetError, make_plan
+
+REPORT_JSON = "lightning_ckpt_plan.json"
+REPORT_PNG = "lightning_ckpt_tradeoff.png"
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,38 @@ def write_json(path: str | Path, plan: Plan, profile: Profile | None = None, cos
     }
     path.write_text(json.dumps(data, indent=2))
     return path
+
+
+def plan_summary(plan: Plan) -> str:
+    """The plan's table, or one line saying that nothing needs checkpointing."""
+    if plan.segments:
+        return str(plan)
+    return (
+        f"lightning-ckpt: nothing to checkpoint: batch {plan.batch_size} is predicted to peak at "
+        f"{format_bytes(plan.predicted_peak_bytes)} without checkpointing, within the budget of "
+        f"{format_bytes(plan.budget_bytes or 0)}. Training runs unchanged."
+    )
+
+
+def plan_metrics(plan: Plan) -> dict[str, float]:
+    """What the callback logs about its plan, under the `ckpt/` prefix."""
+    return {
+        "ckpt/predicted_peak_bytes": float(plan.predicted_peak_bytes),
+        "ckpt/recompute_share": float(plan.recompute_share),
+        "ckpt/checkpointed_blocks": float(len(plan.checkpointed)),
+    }
+
+
+def write_report(
+    directory: str | Path, plan: Plan, profile: Profile | None, cost: StepCost | None, metric: str = "flops"
+) -> list[Path]:
+    """Write `REPORT_JSON` into `directory`, and `REPORT_PNG` when the step's cost is known (a
+    plan resumed from a checkpoint may come without it); -> the paths written."""
+    directory = Path(directory)
+    paths = [write_json(directory / REPORT_JSON, plan, profile, cost)]
+    if cost is not None:
+        paths.append(plot_tradeoff(directory / REPORT_PNG, cost, plan, metric=metric))
+    return paths
 
 
 def plot_tradeoff(path: str | Path, cost: StepCost, plan: Plan, points: int = 16, metric: str = "flops") -> Path:

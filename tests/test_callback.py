@@ -37,7 +37,7 @@ def _peak_between_full_and_none(cb_policy="optimal"):
 
 
 def test_callback_same_losses_as_plan_applied_by_hand():
-    probe, budget = _peak_between_full_and_none()
+    _, budget = _peak_between_full_and_none()
     cb = ActivationCheckpointing(target_batch_size=8, memory_budget=budget, policy="optimal", verbose=False)
     model, _, _ = _fit([cb])
     plan = cb.plan
@@ -57,7 +57,8 @@ def test_callback_same_losses_as_plan_applied_by_hand():
     ("policy", "every_k"), [("none", None), ("full", None), ("every_k", 2), ("sqrt", None), ("greedy", None), ("optimal", None)]
 )
 def test_every_policy_bit_identical_to_no_checkpointing(policy, every_k, budget_midpoint):
-    """Acceptance: losses and all gradients after 3 optimizer steps, fp32, dropout on."""
+    """Every policy: losses and all gradients after 3 optimizer steps (fp32, dropout on) equal
+    those of the run without the callback, bit for bit."""
     budget = budget_midpoint if policy in ("greedy", "optimal") else "1GiB"
     cb = ActivationCheckpointing(target_batch_size=8, memory_budget=budget, policy=policy, every_k=every_k, verbose=False)
     model, _, _ = _fit([cb])
@@ -79,7 +80,7 @@ def budget_midpoint():
 
 def test_callback_sets_loader_batch_size_and_exposes_plan():
     cb = ActivationCheckpointing(target_batch_size=8, memory_budget="1GiB", policy="full", blocks="net.blocks", verbose=False)
-    model, data, trainer = _fit([cb], data=TokenData(batch_size=4))
+    model, data, _ = _fit([cb], data=TokenData(batch_size=4))
     assert data.batch_size == 8
     plan = cb.plan
     assert plan.checkpointed == tuple(range(6))
@@ -132,10 +133,11 @@ def test_infeasible_target_names_largest_batch():
 
     largest = int(re.search(r"is (\d+)", str(info.value)).group(1))
     assert 1 <= largest < 8
-    cb._budget_bytes = budget
-    assert make_plan(cb._cost_at(largest, static), "optimal", budget).fits
+    from lightning_ckpt.integrations.target_plan import cost_at
+
+    assert make_plan(cost_at(cb.profile, largest, static), "optimal", budget).fits
     with pytest.raises(InfeasibleBudgetError):
-        make_plan(cb._cost_at(largest + 1, static), "optimal", budget)
+        make_plan(cost_at(cb.profile, largest + 1, static), "optimal", budget)
 
 
 @pytest.mark.parametrize(
@@ -272,9 +274,10 @@ def test_max_batch_size_from_the_model(budget_midpoint):
     best = cb.batch_size
     assert best % 4 == 0 and best >= 8 and data.batch_size == best
     assert cb.plan.fits and cb.plan.batch_size == best
+    from lightning_ckpt.integrations.target_plan import cost_at
     from lightning_ckpt.planning.capacity import plan_if_fits
 
-    assert plan_if_fits(cb._cost_at(best + 4, cb._static), cb._budget_bytes) is None
+    assert plan_if_fits(cost_at(cb.profile, best + 4, cb._static), cb._budget_bytes) is None
     with pytest.raises(ValueError, match="batch_multiple=4 only applies to target_batch_size='max'"):
         ActivationCheckpointing(target_batch_size=8, memory_budget="1GiB", batch_multiple=4)
 
@@ -304,6 +307,98 @@ def test_noop_with_info_line_when_nothing_needs_checkpointing(caplog):
 
     cb = ActivationCheckpointing(target_batch_size=8, memory_budget="1GiB", report=False)
     with caplog.at_level(logging.INFO):
-        model, _, _ = _fit([cb], max_steps=1)
+        _fit([cb], max_steps=1)
     assert cb.plan.segments == ()
     assert "nothing to checkpoint" in caplog.text and "Training runs unchanged" in caplog.text
+
+
+# ----------------------------------------------------------------------------- probes, measuring, hooks
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "probes", "match"),
+    [
+        (4, (8, 16), (r"probe_batch_sizes=\(8, 16\) but the first training batch has 4 samples; the probes are "
+                      r"slices of that batch\. Set probe_batch_sizes to two sizes <= 4, e\.g\. \(1, 2\)\.")),
+        (4, (2, 5), r"probe_batch_sizes=\(2, 5\) but the first training batch has 4 samples"),
+        (1, (1, 2), r"the first training batch has 1 sample\(s\); profiling fits a line through two batch sizes"),
+    ],
+)
+def test_probes_larger_than_the_first_batch_raise(batch_size, probes, match):
+    """Probe sizes are never clamped: a probe the first batch cannot give is an error that says what to set."""
+    cb = ActivationCheckpointing(
+        target_batch_size=batch_size, memory_budget="1GiB", probe_batch_sizes=probes, verbose=False, report=False
+    )
+    with pytest.raises(ValueError, match=match):
+        _fit([cb], data=TokenData(batch_size=batch_size), max_steps=1)
+    assert cb.profile is None and cb.plan is None
+
+
+def test_check_batch_size_larger_than_the_batch_is_skipped_with_one_info_line(caplog):
+    import logging
+
+    cb = ActivationCheckpointing(target_batch_size=2, memory_budget="1GiB", check_batch_size=4, verbose=False, report=False)
+    with caplog.at_level(logging.INFO):
+        _fit([cb], data=TokenData(batch_size=2), max_steps=2)
+    assert cb.profile.check is None and cb.plan is not None
+    assert caplog.text.count("check_batch_size=4 is larger than the first training batch (2 samples)") == 1
+
+
+def _dispatch_modes() -> list[str]:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return [type(m).__name__ for m in _get_current_dispatch_mode_stack()]
+
+
+def test_cpu_peak_tracker_spans_exactly_the_first_steady_step():
+    """The tracker is on only from the start to the end of step 1 (step 0 has no optimizer state yet)."""
+    seen = []
+
+    class Modes(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append((batch_idx, "start", _dispatch_modes()))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append((batch_idx, "end", _dispatch_modes()))
+
+    cb = ActivationCheckpointing(target_batch_size=8, memory_budget="1GiB", measure_peak=True, verbose=False, report=False)
+    _fit([cb, Modes()], max_steps=3)
+    tracked = [(i, when) for i, when, modes in seen if "LiveBytesTracker" in modes]
+    assert tracked == [(1, "start")]
+    assert cb.measured_peak_bytes is not None and cb.measured_peak_bytes > 0
+    assert _dispatch_modes() == []
+
+
+def test_failure_in_the_measured_step_leaves_no_tracker_and_no_hooks():
+    """Lightning skips `teardown` when fit raises: the callback still closes the tracker and removes its hooks."""
+
+    class FailsAtStep1(LitChain):
+        def training_step(self, batch, batch_idx):
+            if self.trainer.global_step == 1:
+                raise RuntimeError("stop at step 1")
+            return super().training_step(batch, batch_idx)
+
+    cb = ActivationCheckpointing(
+        target_batch_size=8, memory_budget="1GiB", policy="full", measure_peak=True, verbose=False, report=False
+    )
+    model = FailsAtStep1()
+    with pytest.raises(RuntimeError, match="stop at step 1"):
+        _fit([cb], model=model)
+    assert _dispatch_modes() == []
+    assert cb.measured_peak_bytes is None
+    assert all(len(b._forward_pre_hooks) == 0 for b in model.net.blocks)
+
+
+def test_hooks_are_marked_override_and_fit_adds_no_attributes():
+    """Each Lightning hook the callback defines carries `@override`; every attribute exists after `__init__`."""
+    from lightning.pytorch.callbacks import Callback
+
+    hooks = [name for name in vars(ActivationCheckpointing) if name in vars(Callback) and not name.startswith("__")]
+    assert {"setup", "on_fit_start", "on_train_batch_start", "on_train_batch_end", "teardown"} <= set(hooks)
+    for name in hooks:
+        assert getattr(getattr(ActivationCheckpointing, name), "__override__", False), name
+    cb = ActivationCheckpointing(target_batch_size=8, memory_budget="1GiB", measure_peak=True, verbose=False)
+    before = set(vars(cb))
+    _fit([cb], max_steps=2)
+    attached_by_lightning = {"log", "log_dict"}  # the module's logging methods, put on every callback by the Trainer
+    assert set(vars(cb)) - attached_by_lightning == before

@@ -1,4 +1,11 @@
-"""The memory model against measured peaks, where neighbouring blocks save the same storage.
+"""The memory model: its element form against the phase walk and the numpy form, and
+against measured peaks where neighbouring blocks save the same storage.
+
+`predict_peak` computes the peak from the elements of a plan; `oracles.walk_peak` walks
+the step phase by phase without them; on random costs and plans both agree field by
+field, and `element_arrays`/`segment_need_rows` (the exact planner's form) agree with
+the scalar elements.
+
 
 A block ending in a ReLU saves its output for the ReLU's backward; the next block's
 Linear (or conv) saves that same tensor as its input. The profiler counts the
@@ -14,14 +21,30 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
-from test_planner import all_plans
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from oracles import all_plans, walk_peak
 from torch import nn
 
 from lightning_ckpt.apply import apply_segments
 from lightning_ckpt.planning.costs import BlockCost, StepCost
-from lightning_ckpt.planning.memory_model import boundary_shifts, predict_peak
+from lightning_ckpt.planning.memory_model import (
+    boundary_shift,
+    boundary_shifts,
+    element_arrays,
+    end_need,
+    end_relief,
+    kept_element,
+    optimizer_need,
+    plan_elements,
+    predict_peak,
+    segment_elements,
+    segment_need_rows,
+    step_terms,
+)
 from lightning_ckpt.profiling.profiler import probe_step
 from lightning_ckpt.profiling.static_memory import static_memory
 from lightning_ckpt.profiling.step_peak import measure_step_peak
@@ -138,3 +161,127 @@ def test_shifts_charge_the_neighbour_that_keeps_the_storage():
 def test_bad_overlap_is_rejected():
     with pytest.raises(ValueError, match="input_saved_by_previous_bytes=9 exceeds input_bytes=4"):
         BlockCost("b", saved_bytes=1, input_bytes=4, input_saved_by_previous_bytes=9)
+
+
+# ----------------------------------------------------------------------------- element form
+
+
+@st.composite
+def block_costs(draw, first: bool = False):
+    x = draw(st.integers(0, 50))
+    out = draw(st.integers(0, 50))
+    return BlockCost(
+        "b",
+        saved_bytes=(saved := draw(st.integers(0, 300))),
+        input_bytes=x,
+        input_saved_bytes=draw(st.integers(0, min(x, saved))),
+        shared_with_previous_bytes=draw(st.integers(0, 60)),
+        input_saved_by_previous_bytes=draw(st.integers(0, x)),
+        output_bytes=out,
+        output_saved_bytes=draw(st.integers(0, out)),
+        fwd_transient_bytes=draw(st.integers(0, 80)),
+        ckpt_fwd_peak_bytes=draw(st.none() | st.integers(0, 150)),
+        bwd_transient_bytes=draw(st.integers(0, 80)),
+        grad_bytes=draw(st.sampled_from((0, 7, 400))),
+        chains_from_previous=draw(st.booleans()),
+    )
+
+
+@st.composite
+def costs_and_plans(draw, max_blocks: int = 8):
+    """A random `StepCost` (every overlap field, measured or unmeasured in-flight peaks)
+    and a random valid plan of it: per block kept, a new segment, or the same segment."""
+    blocks = draw(st.lists(block_costs(), min_size=0, max_size=max_blocks))
+    blocks = tuple(dataclasses.replace(b, name=f"b{i}") for i, b in enumerate(blocks))
+    cost = StepCost(
+        blocks=blocks,
+        batch_size=1,
+        static_bytes=draw(st.integers(0, 200)),
+        outside_grad_bytes=draw(st.integers(0, 40)),
+        pre_saved_bytes=draw(st.integers(0, 40)),
+        post_saved_bytes=draw(st.integers(0, 120)),
+        post_forward_bytes=draw(st.none() | st.integers(0, 120)),
+        grads_live_in_forward=draw(st.booleans()),
+        optimizer_transient_bytes=draw(st.integers(0, 300)),
+    )
+    segs: list[tuple[int, int]] = []
+    for i, label in enumerate(draw(st.lists(st.sampled_from("kns"), min_size=len(blocks), max_size=len(blocks)))):
+        if label == "s" and segs and segs[-1][1] == i - 1:
+            segs[-1] = (segs[-1][0], i)
+        elif label != "k":
+            segs.append((i, i))
+    return cost, segs
+
+
+@settings(max_examples=400, deadline=None)
+@given(costs_and_plans())
+def test_element_form_equals_the_phase_walk(case):
+    """Peak, phase, and the forward, backward and optimizer peaks, all bit-identical."""
+    cost, segs = case
+    assert predict_peak(cost, segs) == walk_peak(cost, segs)
+
+
+@settings(max_examples=300, deadline=None)
+@given(costs_and_plans())
+def test_peak_is_the_maximum_over_elements(case):
+    """peak = max(opt_need, R_n + end_need - relief, max_e (R_e + need_e + shift_e))."""
+    cost, segs = case
+    resident, worst, last_kept = 0, 0, False
+    for el, shift in plan_elements(cost, segs):
+        worst = max(worst, resident + el.need_bytes + shift)
+        resident += el.resident_bytes + shift
+        last_kept = not el.checkpointed
+    end = resident + end_need(cost) - end_relief(cost, last_kept)
+    assert predict_peak(cost, segs).peak_bytes == max(optimizer_need(cost), end, worst)
+    # the shifts are those `boundary_shifts` lists per block
+    firsts = {el.first: shift for el, shift in plan_elements(cost, segs)}
+    assert boundary_shifts(cost, segs) == [firsts.get(i, 0) for i in range(cost.n_blocks)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(costs_and_plans(max_blocks=10))
+def test_numpy_form_equals_the_scalar_elements(case):
+    cost, _ = case
+    n = cost.n_blocks
+    a = element_arrays(cost)
+    terms = step_terms(cost)
+    assert (a.end_need, a.opt_need) == (end_need(cost), optimizer_need(cost))
+    assert a.o[n] == end_relief(cost, True)
+    for p in range(n):
+        kept = kept_element(cost, p, terms)
+        assert a.keep_need[p] == kept.need_bytes and a.saved[p] == kept.resident_bytes
+        assert a.sh[p] == boundary_shift(cost, p, False, False)
+        assert -a.o[p] == boundary_shift(cost, p, True, True)
+    # all starts at once, and in uneven blocks of starts as the planner asks for them
+    scalar = np.full((n, n), -1, dtype=np.int64)
+    for p in range(n):
+        for el in segment_elements(cost, p, terms):
+            scalar[p, el.last - p] = el.need_bytes
+            assert el.resident_bytes == a.x[p]
+    for p0, p1 in ((0, n), (n // 2, n), (0, n // 3)):
+        if p1 > p0:
+            rows = segment_need_rows(a, p0, p1, n)
+            for p in range(p0, p1):
+                assert list(rows[p - p0, : n - p]) == list(scalar[p, : n - p])
+
+
+def test_element_needs_counted_by_hand():
+    """Three blocks, no gradients: a kept block holds what it saved plus its output and
+    scratch; a segment [1, 2] holds its boundary, rebuilds 1 and 2 at once in backward."""
+    blocks = (
+        BlockCost("a", saved_bytes=30, input_bytes=4, output_bytes=5, fwd_transient_bytes=2, bwd_transient_bytes=1),
+        BlockCost("b", saved_bytes=20, input_bytes=5, input_saved_bytes=5, output_bytes=6, fwd_transient_bytes=7),
+        BlockCost("c", saved_bytes=10, input_bytes=6, output_bytes=3, bwd_transient_bytes=4),
+    )
+    cost = StepCost(blocks=blocks, batch_size=1, static_bytes=100, post_saved_bytes=8)
+    terms = step_terms(cost)
+    kept = kept_element(cost, 0, terms)
+    assert (kept.forward_bytes, kept.backward_bytes, kept.resident_bytes) == (100 + 30 + 5 + 2, 100 + 30 + 5 + 1, 30)
+    seg = list(segment_elements(cost, 1, terms))[1]  # [1, 2]
+    # forward: b alone is 5 in + (20 - 5 + 6 + 7) in flight; c is 6 in + (10 + 3) beside the boundary 5
+    assert seg.forward_bytes == 100 + max(5 + 28, 5 + 6 + 13)
+    # backward of c: boundary 5 + rebuilt 20 + 10 less the saved boundary 5, its output 3, max(4, scratch 7)
+    assert (seg.backward_bytes, seg.backward_block, seg.resident_bytes) == (100 + 5 + 30 - 5 + 3 + 7, 2, 5)
+    peak = predict_peak(cost, [(1, 2)])
+    assert peak.peak_bytes == 30 + seg.backward_bytes and peak.phase == "backward:c"
+    assert peak.forward_bytes == max(kept.forward_bytes, 30 + seg.forward_bytes, 100 + 30 + 5 + 8)

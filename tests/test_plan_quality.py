@@ -1,7 +1,7 @@
 """Where `optimal` spends its recompute on a text encoder whose chain includes the
-embedding and the head (issue 6, acceptance 4).
+embedding and the head.
 
-The seeds' classic misconfiguration checkpoints the embedding lookup and the
+A common misconfiguration checkpoints the embedding lookup and the
 pooling head: the two parts that save almost nothing, so checkpointing them frees
 almost nothing. With those modules listed in the chain of blocks, the planner must
 leave them alone and recompute transformer blocks instead.
@@ -114,7 +114,7 @@ def test_never_at_any_budget_from_full_to_none(encoder):
         assert not chosen & {"tok_emb", "head"}, (f, sorted(chosen))
 
 
-def test_the_seeds_misconfiguration_frees_almost_nothing(encoder):
+def test_checkpointing_embedding_and_head_frees_almost_nothing(encoder):
     """Checkpointing the embedding and the head: the peak stays where it was."""
     model, opt, batch, loss_fn, names, blocks, cost = encoder
     misconfigured = make_plan(cost, "manual", segments=[(0, 0), (len(names) - 1, len(names) - 1)])

@@ -61,6 +61,45 @@ def test_plot_axis_follows_the_cost_metric(tmp_path):
     assert full.recompute_est_ms is not None and full.recompute_est_ms > 0
     fig = tradeoff_figure(cost, plan, points=8, metric="time")
     assert fig.axes[0].get_ylabel() == "estimated recompute time (ms per step)"
-    star = [c for c in fig.axes[0].collections if c.get_label() == "chosen: optimal"][0]
+    star = next(c for c in fig.axes[0].collections if c.get_label() == "chosen: optimal")
     assert star.get_offsets()[0][1] == plan.recompute_est_ms
     assert tradeoff_figure(cost, plan, points=8).axes[0].get_ylabel() == "recomputed forward (GFLOP per step)"
+
+
+def test_callback_without_logger_writes_report_under_default_root_dir(tmp_path, monkeypatch, caplog):
+    """logger=False: both files go under the Trainer's default_root_dir, nothing into the cwd, and one
+    info line says where."""
+    import logging
+
+    import lightning.pytorch as pl
+    from lit_models import LitChain, TokenData
+
+    from lightning_ckpt import ActivationCheckpointing
+    from lightning_ckpt.report import REPORT_JSON, REPORT_PNG
+
+    root, cwd = tmp_path / "root", tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    cb = ActivationCheckpointing(target_batch_size=8, memory_budget="1GiB", policy="full", verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=1, callbacks=[cb], logger=False, default_root_dir=root, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    with caplog.at_level(logging.INFO):
+        trainer.fit(LitChain(), datamodule=TokenData(batch_size=8))
+    assert sorted(cb.report_paths) == [root / REPORT_JSON, root / REPORT_PNG]
+    assert all(p.stat().st_size > 1000 for p in cb.report_paths)
+    assert list(cwd.iterdir()) == []
+    lines = [r.getMessage() for r in caplog.records if "plan report written" in r.getMessage()]
+    assert len(lines) == 1 and str(root / REPORT_JSON) in lines[0] and "default_root_dir" in lines[0]
+
+
+def test_write_report_without_cost_writes_only_the_json(tmp_path):
+    """A plan resumed without its cost has no curve to draw: the JSON alone is written."""
+    from lightning_ckpt.report import REPORT_JSON, REPORT_PNG, write_report
+
+    cost = cost_at(8)
+    plan = make_plan(cost, "full")
+    assert write_report(tmp_path / "a", plan, None, None) == [tmp_path / "a" / REPORT_JSON]
+    assert write_report(tmp_path / "b", plan, None, cost) == [tmp_path / "b" / REPORT_JSON, tmp_path / "b" / REPORT_PNG]
+    assert json.loads((tmp_path / "a" / REPORT_JSON).read_text())["cost"] is None

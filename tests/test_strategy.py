@@ -191,7 +191,7 @@ def test_profiling_context_pauses_gradient_hooks():
 
 
 def test_bf16_autocast_activation_peak_within_10_percent():
-    """Acceptance 4 (plain Lightning bf16-mixed, autocast): the profile runs under the run's
+    """Plain Lightning bf16-mixed (autocast): the profile runs under the run's
     autocast, where layer norms, softmax and the loss stay fp32; the predicted peak of
     forward + backward is within 10 % of the measured one, and it is not half of fp32's."""
     import torch
@@ -213,7 +213,7 @@ def test_bf16_autocast_activation_peak_within_10_percent():
     assert not 0.45 < measured / found["32-true"][1] < 0.55, found
 
 
-# ---------------------------------------------------------------------------- acceptance
+# ---------------------------------------------------------------------------- two CPU ranks
 
 
 @pytest.mark.slow
@@ -221,7 +221,7 @@ def test_bf16_autocast_activation_peak_within_10_percent():
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_zero_losses_equal_without_checkpointing(ranks, stage, precision):
-    """Acceptance 1: ZeRO 1-3 x fp32/bf16-mixed, 2 ranks, 5 steps: the callback's plan gives the
+    """ZeRO 1-3 x fp32/bf16-mixed, 2 ranks, 5 steps: the callback's plan gives the
     losses of the run without checkpointing, bit for bit. bf16 is bit-identical too: DeepSpeed
     runs the bf16-cast model, and a recompute repeats the same bf16 ops on the same inputs."""
     for r in ranks:
@@ -238,7 +238,7 @@ def test_zero_losses_equal_without_checkpointing(ranks, stage, precision):
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_zero_static_bytes_within_5_percent(ranks, stage, precision):
-    """Acceptance 3: the ZeRO model's per-rank bytes against the parameter, gradient and
+    """The ZeRO model's per-rank bytes against the parameter, gradient and
     optimizer tensors DeepSpeed holds after a step (unique storages, counted on each rank).
     With the callback DeepSpeed holds exactly as much: profiling left nothing behind."""
     for r in ranks:
@@ -278,7 +278,7 @@ def test_static_bytes_other_configurations(ranks, key):
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
 @pytest.mark.parametrize("stage", (2, 3))
 def test_bf16_activation_peak_within_10_percent(ranks, stage):
-    """Acceptance 4 (DeepSpeed): under bf16-mixed the profile is taken on the bf16 model
+    """DeepSpeed under bf16-mixed: the profile is taken on the bf16 model
     DeepSpeed trains, so the predicted peak of forward + backward above the model state
     (activations, the gradients they produce and, at stage 3, the gathered parameters) is
     within 10 % of the tracker's measure."""
@@ -294,7 +294,7 @@ def test_bf16_activation_peak_within_10_percent(ranks, stage):
 @pytest.mark.slow
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
 def test_plans_identical_across_ranks_under_timing_skew(ranks):
-    """Acceptance 2: rank 0 sees block times rising with depth, rank 1 falling; planning by
+    """Rank 0 sees block times rising with depth, rank 1 falling; planning by
     measured time, each rank alone would pick other blocks. The broadcast plan is rank 0's
     on both ranks, and the job ended (no hang)."""
     a, b = ranks[0]["skew"], ranks[1]["skew"]
@@ -321,7 +321,7 @@ def test_a_failure_on_one_rank_does_not_hang_the_others(ranks):
 @pytest.mark.slow
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
 def test_zero3_frozen_module_inside_checkpointed_segment(ranks):
-    """Acceptance 5: ZeRO-3 (every parameter partitioned) with a frozen embedding, a frozen
+    """ZeRO-3 (every parameter partitioned) with a frozen embedding, a frozen
     first block and a frozen LayerNorm inside the second, checkpointed together with it:
     trains without CheckpointError, losses equal to the plain run."""
     for r in ranks:
@@ -338,7 +338,8 @@ def test_zero3_frozen_module_inside_checkpointed_segment(ranks):
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_ddp_losses_equal_without_checkpointing(ranks, precision):
-    """Acceptance 6: Lightning's plain DDP, 2 CPU ranks, fp32 and bf16-mixed (autocast)."""
+    """Lightning's plain DDP, 2 CPU ranks, fp32 and bf16-mixed (autocast): losses equal the plain run's and
+    both ranks apply the same plan."""
     for r in ranks:
         run = r["ddp"][precision]
         assert run["segments"]
@@ -352,7 +353,7 @@ EXAMPLE_TIMEOUT_S = 400  # the shortened run takes about 1.5 minutes here
 @pytest.mark.slow
 @pytest.mark.timeout(EXAMPLE_TIMEOUT_S + 30)
 def test_zero3_example_config_runs(tmp_path):
-    """Acceptance 7: README's ZeRO-3 command (shortened to 3 steps, no validation) trains on
+    """README's ZeRO-3 command (shortened to 3 steps, no validation) trains on
     two CPU processes started by Lightning itself, with a plan applied on both."""
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=EXTENSIONS_DIR)
@@ -496,7 +497,7 @@ def _activation_probe(cb):
 
     import lightning.pytorch as pl
 
-    from lightning_ckpt.integrations.callback import _muted_logging
+    from lightning_ckpt.integrations.muted_logging import muted_logging
     from lightning_ckpt.planning.memory_model import predict_peak
     from lightning_ckpt.profiling.tracker import LiveBytesTracker
 
@@ -510,7 +511,7 @@ def _activation_probe(cb):
             pause = getattr(trainer.strategy, "ckpt_profiling_context", contextlib.nullcontext)
             with pause():
                 with LiveBytesTracker() as tracker:
-                    with _muted_logging(pl_module), trainer.precision_plugin.train_step_context():
+                    with muted_logging(pl_module), trainer.precision_plugin.train_step_context():
                         loss = pl_module.training_step(self.batch, 0)
                     loss.backward()
                     del loss
@@ -583,7 +584,7 @@ def _frozen_run() -> dict:
     error = None
     try:
         _, model = _fit(_ds(3), "bf16-mixed", [cb], model=_frozen_model())
-    except Exception as err:  # reported, not raised: the other rank must not wait for this one
+    except Exception as err:  # noqa: BLE001 - reported, not raised: the other rank must not wait for this one
         error, model = f"{type(err).__name__}: {err}", None
     return {
         "error": error,
@@ -600,8 +601,8 @@ def _skew_run(rank: int) -> dict:
     rank 1's the shallower. The budget lets about half the blocks be checkpointed."""
     import torch.distributed as dist
 
-    import lightning_ckpt.profiling.profiler as profiler
     from lightning_ckpt.planning.policies import make_plan
+    from lightning_ckpt.profiling import profiler
 
     first = _callback(policy="none")
     _fit(_ds(2), "32-true", [first])
@@ -626,7 +627,9 @@ def _skew_run(rank: int) -> dict:
     finally:
         profiler._time_blocks = original
     # what this rank would have planned alone, from its own profile (rank 1 profiled, but did not plan)
-    cost = cb._cost_at(BATCH, trainer.strategy.ckpt_static_memory(model))
+    from lightning_ckpt.integrations.target_plan import cost_at
+
+    cost = cost_at(cb.profile, BATCH, trainer.strategy.ckpt_static_memory(model))
     local = make_plan(cost, "optimal", budget[0], metric="ms")
     return {
         "applied": [list(s) for s in cb.plan.segments],
@@ -641,9 +644,9 @@ def _injected_failures(rank: int) -> dict:
     """Profiling raises on one rank only (a non-ValueError): first rank 1, then rank 0."""
     import warnings
 
-    import lightning_ckpt.integrations.callback as callback_module
+    from lightning_ckpt.integrations import profile_step
 
-    original = callback_module.profile_model
+    original = profile_step.profile_model
     out = {}
     for failing in (1, 0):
 
@@ -652,7 +655,7 @@ def _injected_failures(rank: int) -> dict:
                 raise RuntimeError(f"injected failure on rank {failing}")
             return original(*args, **kwargs)
 
-        callback_module.profile_model = broken
+        profile_step.profile_model = broken
         cb = _callback()
         error, warned = None, False
         try:
@@ -660,10 +663,10 @@ def _injected_failures(rank: int) -> dict:
                 warnings.simplefilter("always")
                 _fit("ddp", "32-true", [cb])
             warned = any("failed to profile" in str(w.message) for w in caught)
-        except Exception as err:  # recorded for the test; both ranks must get here, not hang
+        except Exception as err:  # noqa: BLE001 - recorded for the test; both ranks must get here, not hang
             error = f"{type(err).__name__}: {err}"
         finally:
-            callback_module.profile_model = original
+            profile_step.profile_model = original
         out[f"rank{failing}"] = {
             "error": error, "warned": warned, "segments": [list(s) for s in cb.plan.segments] if cb.plan else None,
         }

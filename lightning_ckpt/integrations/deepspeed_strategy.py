@@ -1,11 +1,8 @@
 """`DeepSpeedStrategy`: Lightning's DeepSpeed strategy, also on CPU, that informs the planner.
 
-On CUDA it is Lightning's `DeepSpeedStrategy` unchanged. On the CPU accelerator
-(DeepSpeed's `DS_ACCELERATOR=cpu`, gloo) it skips the three CUDA-only steps of
-Lightning's. For `ActivationCheckpointing` it reports the per-rank static memory of
-the configured ZeRO stage (`zero_memory`) and gives a profiling context in which
-DeepSpeed's gradient hooks are paused, so profiling steps leave its state alone.
-This is the only module of lightning-ckpt that imports `deepspeed`.
+On CUDA it is Lightning's, unchanged; on the CPU accelerator (`DS_ACCELERATOR=cpu`, gloo) it skips Lightning's
+three CUDA-only steps. It gives `ActivationCheckpointing` the per-rank static memory of the ZeRO stage and a
+profiling context that pauses DeepSpeed's gradient hooks. The only module of lightning-ckpt importing `deepspeed`.
 """
 
 from __future__ import annotations
@@ -22,6 +19,7 @@ from lightning.pytorch.strategies import (
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
+from typing_extensions import override
 
 from lightning_ckpt.profiling.static_memory import StaticMemory
 from lightning_ckpt.profiling.zero_memory import PRECISIONS, ZeroMemory, zero_memory
@@ -82,6 +80,7 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
     def _on_cpu(self) -> bool:
         return isinstance(self.accelerator, CPUAccelerator)
 
+    @override
     def setup_environment(self) -> None:
         if not self._on_cpu():
             super().setup_environment()  # Lightning's, which requires CUDA
@@ -95,6 +94,7 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
             )
         DDPStrategy.setup_environment(self)  # skips Lightning's CUDA-only check
 
+    @override
     def setup_distributed(self) -> None:
         if not self._on_cpu():
             super().setup_distributed()
@@ -127,10 +127,12 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
         finally:
             deepspeed.initialize = original
 
+    @override
     def _setup_model_and_optimizer(self, *args: Any, **kwargs: Any) -> Any:
         with self._cpu_device_rank():
             return super()._setup_model_and_optimizer(*args, **kwargs)
 
+    @override
     def _initialize_deepspeed_inference(self, model: nn.Module) -> None:
         with self._cpu_device_rank():
             super()._initialize_deepspeed_inference(model)

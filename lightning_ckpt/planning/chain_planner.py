@@ -1,17 +1,10 @@
 """Exact, fast chain planner: the `optimal` policy for the memory model of `memory_model`.
 
-The problem
------------
-A plan walks the chain left to right as a sequence of *elements*: "keep block p" or
-"checkpoint segment [p, b]". Every element e has `need_e` (its own peak on top of
-what earlier blocks leave resident), `res_e` (what it leaves resident for later
-blocks) and `cost_e` (its recompute). With R_e the bytes left resident by the
-elements before e, `predict_peak` is exactly
-
-    peak = max(opt_need, R_n + end_need, max_e (R_e + need_e))
-
-and `optimal` asks for the least total cost with peak <= budget, ties broken by
-the lower peak.
+The problem: a plan is a sequence of elements ("keep block p", "checkpoint segment
+[p, b]") whose needs, resident bytes and shifts are `memory_model`'s element form
+(`element_arrays`, `segment_need_rows`; docs/design.md); its peak is
+max(opt_need, R_n + end_need - relief, max_e (R_e + need_e + shift_e)). `optimal`
+asks for the least recompute sum_e cost_e with peak <= budget, then the lowest peak.
 
 The algorithm (backward Pareto DP over suffixes)
 ------------------------------------------------
@@ -19,15 +12,15 @@ The algorithm (backward Pareto DP over suffixes)
 *demand* D: the peak it causes on top of a prefix that leaves R resident is R + D.
 For the last position D = end_need, and an element e from p to q prepends as
 
-    D_p = max(need_e, res_e + D_q),   C_p = cost_e + C_q.
+    D_p = max(need_e, res_e + D_q),   C_p = cost_e + C_q
 
-D_p is nondecreasing in D_q and C_p in C_q, so a suffix (D, C) that another suffix
-from the same position beats or equals on both coordinates can be dropped: the
-Pareto frontier F_p of (D, C) is exact. At position 0 the prefix is empty, so a
-whole plan's peak is max(opt_need, D_0): the frontier F_0 holds, for every cost,
-the lowest peak, and the answer (least cost with peak <= budget, then the lowest
-peak) is read off it directly. No bisection over budgets is needed. States with
-D > budget are dropped at once (D only grows towards the front).
+(the next element's shift, which depends only on whether e is kept, applied as e is
+prepended). D_p is nondecreasing in D_q and C_p in C_q, so a suffix (D, C) that
+another from p with the same first-element kind beats or equals on both can be
+dropped: the Pareto frontier F_p of (D, C) is exact. At position 0 nothing precedes, so a plan's peak is max(opt_need, D_0): F_0
+holds the lowest peak for every cost, and the answer (least cost with peak <=
+budget, then the lowest peak) is read off it, with no bisection over budgets.
+States with D > budget are dropped at once (D only grows towards the front).
 
 Speed: a pool of segment continuations instead of every (start, end) pair
 --------------------------------------------------------------------------
@@ -45,24 +38,17 @@ never again be on a frontier:
 - [dominance] when F_{p+1} joins the pool (as q' = p + 1, the shortest segment),
   an older option (q, D, Ct) with q > q' is dropped if a new one has D' <= D,
   Ct' <= Ct and need(r, q'-1) <= need(r, q-1) for every start r < q' still to
-  come. The last condition holds whenever v_{q'-1} <= v_{q-1} with
-  v_b = grads_after_b + W_{b+1} + output_b (W: prefix sums of saved bytes), because
-  the forward part of need is a running maximum over the segment and the
+  come. The last condition holds whenever v_{q'-1} <= v_{q-1} (`ElementArrays.v`),
+  because the forward part of need is a running maximum over the segment and the
   backward part differs between the two ends only through v and the (shared,
-  nondecreasing) forward scratch maximum. Then for every later start r the new
-  option gives max(need(r, q'-1), x_r + D') <= max(need(r, q-1), x_r + D) at a cost
-  no higher, and it is available for exactly the same starts (r < q').
-  Where v falls (a block's parameter gradients outweigh its activations) the
-  option is simply kept.
+  nondecreasing) forward scratch maximum. Where v falls (a block's parameter
+  gradients outweigh its activations) the option is simply kept.
 - [expiry] an option is dropped when no later start can use it: the segment would
   cross a block that does not chain from its predecessor, exceed
   `max_segment_blocks`, or already rebuild more than the budget.
 
-Each start p then evaluates need(p, .) for its reachable ends (running maxima,
-computed for 64 starts at a time) and turns the whole pool into candidates in one
-numpy pass, followed by a vectorised Pareto prune (sort by D, keep strict prefix
-minima of C). Work per position is O(pool + frontier) instead of
-O(segment lengths x frontier).
+Each start p turns the whole pool into candidates in one numpy pass (need(p, .)
+computed for 64 starts at a time): O(pool + frontier) work per position.
 
 Bounding (exact)
 ----------------
@@ -74,24 +60,19 @@ lower bound L on the prefix's recompute (`_PrefixBound`). Given an upper bound U
 (the cost of any feasible plan), a state with C + L > U, and a pool option whose
 bound for every later start exceeds U, can be dropped: every plan costing <= U,
 so every optimal plan and its lowest-peak tie, survives. U comes from a *beam*
-run of the same DP that keeps only the `_BEAM` states of least C + L per position
-(a feasible plan, usually optimal or within a fraction of a percent). Short chains
-skip the beam and run uncapped.
+run of the same DP keeping the `_BEAM` states of least C + L per position.
 
-Cost
-----
-Uniform and repeated-profile chains (ties everywhere) keep frontiers of about
-n/2 states and plan 1,000 blocks in about 0.3 s of CPU. Chains whose blocks
-differ slightly in both bytes and recompute (e.g. measured `ms` costs, jittered
-profiles) behave like strongly correlated knapsacks: many plans are within one
-block's cost of the optimum, the exact frontier grows roughly quadratically with
-n, and 1,000 such blocks take tens of seconds (benchmarks/chain_planner.py).
-
-Exactness is on the model's integers: bytes are int64, recompute in `flops` is
-int64 (float64 only if the sum of all block FLOPs exceeds 2**62). In `time` each
-block's estimate is rounded to whole nanoseconds and summed as int64, exact too.
-In `ms` costs are float64 prefix sums, so two plans whose costs differ only by
-rounding may be ordered either way.
+Cost and exactness
+------------------
+Uniform and repeated-profile chains (ties everywhere) keep frontiers of about n/2
+states. Chains whose blocks differ slightly in both bytes and recompute (measured
+`ms` costs, jittered profiles) behave like strongly correlated knapsacks: the exact
+frontier grows roughly quadratically with n (timings: benchmarks/chain_planner.py).
+Bytes are int64; recompute in `flops` is int64 (float64 only if the sum of all
+block FLOPs exceeds 2**62); in `time` each block's estimate is rounded to whole
+nanoseconds and summed as int64. In `ms` costs are float64 prefix sums, so two
+plans whose costs differ only by rounding may be ordered either way. The oracles
+this solver is tested against (a forward DP, brute force) are in tests/oracles.py.
 """
 
 from __future__ import annotations
@@ -101,8 +82,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lightning_ckpt.planning.costs import StepCost, ckpt_forward_bytes
-from lightning_ckpt.planning.memory_model import end_need
+from lightning_ckpt.planning.costs import StepCost
+from lightning_ckpt.planning.memory_model import (
+    ElementArrays,
+    element_arrays,
+    segment_need_rows,
+)
 from lightning_ckpt.planning.recompute_cost import (
     block_recompute,
     metric_rates,
@@ -126,51 +111,20 @@ class ChainSolution:
 
 
 @dataclass
-class _Arrays:
-    n: int
-    static: int  # static_bytes + pre_saved_bytes
-    fwd_grads: int
-    outside_grad: int
-    end_need: int
-    opt_need: int
-    saved: np.ndarray
-    x: np.ndarray
-    xs: np.ndarray
-    sh: np.ndarray  # shared_with_previous_bytes (n + 1, 0 at n): a kept block after a checkpointed one holds it too
-    o: np.ndarray  # input_saved_by_previous_bytes (n + 1, 0 at n): a segment after a kept block finds it resident
-    ft: np.ndarray
-    W: np.ndarray  # prefix sums of saved (n + 1)
-    P: np.ndarray  # prefix sums of block recompute (n + 1)
-    K: np.ndarray  # K[q] = P[q] - tail[q - 1] + segment overhead (n + 1, K[0] unused)
-    f: np.ndarray  # input + in-flight peak of a forward that saves nothing (a checkpointed block's)
-    inner: np.ndarray  # G + W[b+1] + out + bt (backward of a non-last segment block, less the base)
-    v: np.ndarray  # G + W[b+1] + out
-    bt: np.ndarray
-    keep_need: np.ndarray
+class _Arrays(ElementArrays):
+    """The element form's columns plus what the DP adds: chaining and recompute."""
+
     next_break: np.ndarray  # first block k > p that does not chain from k - 1 (n if none)
     rc: np.ndarray  # block recompute
     tails: np.ndarray  # skipped tail when the block ends a segment
+    P: np.ndarray  # prefix sums of block recompute (n + 1)
+    K: np.ndarray  # K[q] = P[q] - tail[q - 1] + segment overhead (n + 1, K[0] unused)
     cost_scale: float = 1.0  # solver cost units per unit of the metric (time: ns per ms)
 
 
 def _arrays(cost: StepCost, metric: str) -> _Arrays:
     blocks = cost.blocks
     n = len(blocks)
-    i64 = np.int64
-
-    def col(name):
-        return np.array([getattr(b, name) for b in blocks], dtype=i64) if n else np.zeros(0, dtype=i64)
-
-    saved, x, xs, out = col("saved_bytes"), col("input_bytes"), col("input_saved_bytes"), col("output_bytes")
-    ft, bt, grad = col("fwd_transient_bytes"), col("bwd_transient_bytes"), col("grad_bytes")
-    sh = np.concatenate((col("shared_with_previous_bytes"), np.zeros(1, dtype=i64)))
-    o = np.concatenate((col("input_saved_by_previous_bytes"), np.zeros(1, dtype=i64)))
-    G = np.zeros(n, dtype=i64)
-    if n:
-        # grads_after[i] = outside_grad + sum(grad[i+1:])
-        G[:] = cost.outside_grad_bytes + (np.cumsum(grad[::-1])[::-1] - grad)
-    W = np.zeros(n + 1, dtype=i64)
-    np.cumsum(saved, out=W[1:])
     rates = metric_rates(cost, metric)
     rc = [block_recompute(b, metric, rates) for b in blocks]
     tails = [skipped_tail(b, metric, rates) for b in blocks]
@@ -190,48 +144,16 @@ def _arrays(cost: StepCost, metric: str) -> _Arrays:
     np.cumsum(np.array(rc, dtype=cdt), out=P[1:])
     K = np.zeros(n + 1, dtype=cdt)
     K[1:] = P[1:] - np.array(tails, dtype=cdt) + seg
-    fwd_grads = cost.grad_bytes if cost.grads_live_in_forward else 0
-    static = cost.static_bytes + cost.pre_saved_bytes
-    os_ = col("output_saved_bytes")
-    # [constraint] a kept block: forward (its output not counted twice when it saves it)
-    # or backward (the gradient of its output) on top of what it saved
-    keep_need = static + saved + np.maximum(fwd_grads + out - os_ + ft, G + out + bt)
-    # the end (the head) finds the last block's output resident when that block is kept and saved it
-    if n:
-        o[n] = os_[-1]
-    chains = np.array([b.chains_from_previous for b in blocks], dtype=bool)
     next_break = np.full(n, n, dtype=np.int64)
     nb = n
     for k in range(n - 1, -1, -1):
         next_break[k] = nb
-        if not chains[k]:
+        if not blocks[k].chains_from_previous:
             nb = k
-    v = G + W[1:] + out
+    mem = element_arrays(cost)
     return _Arrays(
+        **vars(mem), next_break=next_break, rc=np.array(rc, dtype=cdt), tails=np.array(tails, dtype=cdt), P=P, K=K,
         cost_scale=scale,
-        rc=np.array(rc, dtype=cdt),
-        tails=np.array(tails, dtype=cdt),
-        n=n,
-        static=static,
-        fwd_grads=fwd_grads,
-        outside_grad=cost.outside_grad_bytes,
-        end_need=end_need(cost),
-        opt_need=cost.static_bytes + cost.grad_bytes + cost.optimizer_transient_bytes,
-        saved=saved,
-        x=x,
-        xs=xs,
-        sh=sh,
-        o=o,
-        ft=ft,
-        W=W,
-        P=P,
-        K=K,
-        f=x + np.array([ckpt_forward_bytes(b) for b in blocks], dtype=i64).reshape(n),
-        inner=v + bt,
-        v=v,
-        bt=bt,
-        keep_need=keep_need,
-        next_break=next_break,
     )
 
 
@@ -333,33 +255,6 @@ def solve_chain(
 
 _BEAM = 16  # states kept per position by the bounding run
 _BEAM_FROM = 64  # shorter chains are solved in one uncapped run (`beam=0`)
-
-
-def _segment_need_rows(a: _Arrays, p0: int, p1: int, width: int) -> np.ndarray:
-    """need(p, p + t) for p in [p0, p1) (rows) and t < width (columns; past a start's
-    last reachable end the values are meaningless and never read)."""
-    pad = np.zeros(width, dtype=np.int64)
-
-    def win(arr):
-        ext = np.concatenate((arr[p0 : min(p1 + width, a.n)], pad))
-        return np.lib.stride_tricks.sliding_window_view(ext, width)[: p1 - p0]
-
-    rows = slice(p0, p1)
-    # [constraint] forward without saving: block b holds its input and what it makes in
-    # flight (`f`), from b = p + 1 on top of the boundary x_p as well.
-    fwd = win(a.f) + a.x[rows, None]
-    fwd[:, 0] -= a.x[rows]
-    np.maximum.accumulate(fwd, axis=1, out=fwd)
-    fwd += a.static + a.fwd_grads
-    # [constraint] backward: the interior is rebuilt at once on top of the boundary; the
-    # last block's backward also sees the recompute's forward scratch; block k < b runs
-    # its backward with blocks p..k still rebuilt.
-    last = win(a.v) + np.maximum(win(a.bt), np.maximum.accumulate(win(a.ft), axis=1))
-    if width > 1:
-        inner = np.maximum.accumulate(win(a.inner), axis=1)
-        np.maximum(last[:, 1:], inner[:, :-1], out=last[:, 1:])
-    last += (a.static + a.x[rows] - a.xs[rows] - a.W[rows])[:, None]
-    return np.maximum(fwd, last, out=fwd)
 
 
 def _solve(
@@ -467,7 +362,7 @@ def _solve(
             if p < need_p0:  # compute need(p, .) for the next block of starts at once
                 p0 = max(0, p - 63)
                 width = int(widths[p0 : p + 1].max())
-                need_rows, need_p0 = _segment_need_rows(a, p0, p + 1, width), p0
+                need_rows, need_p0 = segment_need_rows(a, p0, p + 1, width), p0
             ob = pool_b[start:]
             sd = np.maximum(need_rows[p - need_p0][(ob >> QS) - q1], pool_d[start:] + a.x[p])
             sc = pool_c[start:] - a.P[p]
@@ -549,44 +444,3 @@ def _pareto_prune(d: np.ndarray, c: np.ndarray, b: np.ndarray) -> tuple[np.ndarr
         if not last.all():
             order, ds = order[last], ds[last]
     return ds, c[order], b[order]
-
-
-# ----------------------------------------------------------------------------- reference
-
-
-def _reference_least_recompute(
-    cost: StepCost,
-    budget_bytes: int,
-    metric: str = "flops",
-    max_segment_blocks: int | None = None,
-    cost_cap: float = math.inf,
-) -> tuple[float, Segments] | None:
-    """The original forward (R, C) Pareto DP (`planner._least_recompute`): slow, simple."""
-    from lightning_ckpt.planning.policies import _least_recompute
-
-    return _least_recompute(cost, budget_bytes, metric, max_segment_blocks, cost_cap=cost_cap)
-
-
-def _reference_optimal_segments(
-    cost: StepCost, budget_bytes: int, metric: str = "flops", max_segment_blocks: int | None = None
-) -> Segments | None:
-    """The original `optimal`: the least recompute C* from the reference DP, then the
-    lowest peak by bisecting the budget (the smallest budget at which C* is still
-    reachable is the lowest peak of any plan costing C*). None when nothing fits."""
-    from lightning_ckpt.planning.memory_model import predict_peak
-
-    found = _reference_least_recompute(cost, budget_bytes, metric, max_segment_blocks)
-    if found is None:
-        return None
-    best_c, segs = found
-    hi = predict_peak(cost, segs).peak_bytes
-    lo = cost.static_bytes - 1
-    cap = best_c + 1e-9 * max(1.0, abs(best_c))
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        trial = _reference_least_recompute(cost, mid, metric, max_segment_blocks, cost_cap=cap)
-        if trial is not None:
-            hi, segs = predict_peak(cost, trial[1]).peak_bytes, trial[1]
-        else:
-            lo = mid
-    return segs

@@ -1,15 +1,24 @@
-"""Predicted peak memory of one training step under a checkpointing plan.
+"""Predicted peak memory of one training step under a checkpointing plan: the one
+definition of the peak, used by every policy, by the exact chain planner and by the plan.
 
 A plan is a list of segments `(first, last)` of consecutive checkpointed blocks;
-every other block is kept. The step is walked phase by phase (forward, backward
-block by block from the last, optimizer step) and the peak is the largest total.
-The `k + n/k` rule of the square-root argument is the uniform special case.
+every other block is kept. Read left to right, a plan is a sequence of *elements*
+("keep block p", "checkpoint segment [a, b]"), each with what it needs on top of the
+bytes R_e the elements before it leave resident, and the peak is
+
+    peak = max(opt_need, R_n + end_need - relief, max_e (R_e + need_e + shift_e))
+
+`predict_peak` evaluates it (scalar form); `element_arrays` and `segment_need_rows`
+hold the same terms as numpy columns for `chain_planner`. See docs/design.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
 
 from lightning_ckpt.planning.costs import StepCost, ckpt_forward_bytes
 
@@ -50,116 +59,42 @@ def segment_of(n_blocks: int, segments: Segments) -> list[int]:
     return owner
 
 
-def boundary_shifts(cost: StepCost, segments: Segments) -> list[int]:
-    """Per block, the correction to the first block of a plan element for storages
-    that two neighbouring blocks both save (counted once, with the first saver).
-
-    [constraint] a kept block after a checkpointed one also holds what it shares with
-    that block (`shared_with_previous_bytes`: no longer resident on the other's
-    account); a segment after a kept block finds its boundary already resident when
-    that block saved it (`input_saved_by_previous_bytes`). Zero everywhere else.
-    """
-    n = len(cost.blocks)
-    owner = segment_of(n, segments)
-    shift = [0] * n
-    for i in range(1, n):
-        prev_kept = owner[i - 1] < 0
-        if owner[i] < 0 and not prev_kept:
-            shift[i] = cost.blocks[i].shared_with_previous_bytes
-        elif owner[i] >= 0 and segments[owner[i]][0] == i and prev_kept:
-            shift[i] = -cost.blocks[i].input_saved_by_previous_bytes
-    return shift
+# ----------------------------------------------------------------------------- step-wide terms
 
 
-def resident_bytes(cost: StepCost, segments: Segments) -> list[int]:
-    """What each block leaves resident at the end of the forward.
-
-    [constraint] a kept block holds what it saved; a segment holds only the input of
-    its first block (the boundary tensor the recompute restarts from); both adjusted
-    by `boundary_shifts` for storages shared with the block before.
-    """
-    res = [b.saved_bytes for b in cost.blocks]
-    for a, b in segments:
-        for i in range(a, b + 1):
-            res[i] = 0
-        res[a] = cost.blocks[a].input_bytes
-    return [r + s for r, s in zip(res, boundary_shifts(cost, segments))]
+def base_bytes(cost: StepCost) -> int:
+    """Resident under every element: parameters, buffers, optimizer state and the
+    activations saved before the first block."""
+    return cost.static_bytes + cost.pre_saved_bytes
 
 
-def predict_peak(cost: StepCost, segments: Segments) -> PeakBreakdown:
-    """Peak bytes of a whole training step under `segments` (already validated)."""
-    blocks = cost.blocks
-    n = len(blocks)
-    shift = boundary_shifts(cost, segments)
-    res = resident_bytes(cost, segments)
-    prefix = [0] * (n + 1)
-    for i in range(n):
-        prefix[i + 1] = prefix[i] + res[i]
-    static = cost.static_bytes + cost.pre_saved_bytes
-    grads_all = cost.grad_bytes
-    owner = segment_of(n, segments)
+def forward_grad_bytes(cost: StepCost) -> int:
+    """Last step's parameter gradients, when they are still allocated during the forward."""
+    return cost.grad_bytes if cost.grads_live_in_forward else 0
 
-    # [forward] every block's resident bytes plus the head, with last step's grads
-    # still allocated; during block i its own scratch is live as well. The first
-    # block of a segment runs on top of its boundary input (unless already resident).
-    fwd_grads = grads_all if cost.grads_live_in_forward else 0
-    # [constraint] the head runs on the last block's output: already resident when
-    # that block is kept and saved it.
-    relief = blocks[-1].output_saved_bytes if n and owner[-1] < 0 else 0
-    post = cost.post_saved_bytes - relief
-    fwd = prefix[n] + post_forward(cost) - relief
-    for i, blk in enumerate(blocks):
-        if owner[i] < 0:
-            own = blk.saved_bytes + blk.output_bytes - blk.output_saved_bytes + blk.fwd_transient_bytes + shift[i]
-        else:
-            # [constraint] a checkpointed block's forward saves nothing: on top of what is
-            # resident (the segment's boundary from its second block on) it holds its
-            # input and what it makes in flight
-            own = blk.input_bytes + ckpt_forward_bytes(blk)
-            if segments[owner[i]][0] == i:
-                own += shift[i]
-        fwd = max(fwd, prefix[i] + own)
-    fwd += static + fwd_grads
-    # The head's backward runs before any block gradient exists.
-    fwd = max(fwd, static + cost.outside_grad_bytes + prefix[n] + post)
 
-    # [backward] walk blocks from last to first; gradients of later blocks exist.
-    grads_after = cost.outside_grad_bytes
-    bwd, bwd_at = 0, -1
-    i = n - 1
-    while i >= 0:
-        j = owner[i]
-        if j < 0:
-            blk = blocks[i]
-            live = prefix[i] + blk.saved_bytes + shift[i] + blk.output_bytes + blk.bwd_transient_bytes
-            if live + grads_after > bwd:
-                bwd, bwd_at = live + grads_after, i
-            grads_after += blk.grad_bytes
-            i -= 1
-            continue
-        a, b = segments[j]
-        # [recurrence] the segment's interior is rebuilt at once on top of what the
-        # blocks before it hold; the boundary input is not counted twice.
-        rebuilt = sum(blocks[k].saved_bytes for k in range(a, b + 1)) - blocks[a].input_saved_bytes
-        base = prefix[a] + blocks[a].input_bytes + shift[a]
-        scratch = max(blocks[k].fwd_transient_bytes for k in range(a, b + 1))
-        for k in range(b, a - 1, -1):
-            blk = blocks[k]
-            extra = max(blk.bwd_transient_bytes, scratch) if k == b else blk.bwd_transient_bytes
-            live = base + rebuilt + blk.output_bytes + extra
-            if live + grads_after > bwd:
-                bwd, bwd_at = live + grads_after, k
-            rebuilt -= blk.saved_bytes - (blk.input_saved_bytes if k == a else 0)
-            grads_after += blk.grad_bytes
-        i = a - 1
-    bwd += static
+def gradients_after(cost: StepCost) -> list[int]:
+    """Per block, the parameter gradients that exist during its backward: those outside
+    the blocks (the head's backward runs first) and those of every later block."""
+    after = [0] * cost.n_blocks
+    acc = cost.outside_grad_bytes
+    for i in range(cost.n_blocks - 1, -1, -1):
+        after[i] = acc
+        acc += cost.blocks[i].grad_bytes
+    return after
 
-    # [optimizer] all gradients plus the optimizer's scratch.
-    opt = cost.static_bytes + grads_all + cost.optimizer_transient_bytes
 
-    peak = max(fwd, bwd, opt)
-    phase = "forward" if peak == fwd else ("optimizer" if peak == opt else f"backward:{blocks[bwd_at].name}")
-    return PeakBreakdown(int(peak), phase, int(fwd), int(bwd), int(opt))
+@dataclass(frozen=True)
+class StepTerms:
+    """The step-wide terms every element needs, computed once per cost (`step_terms`)."""
+
+    base_bytes: int
+    forward_grad_bytes: int
+    gradients_after: tuple[int, ...]
+
+
+def step_terms(cost: StepCost) -> StepTerms:
+    return StepTerms(base_bytes(cost), forward_grad_bytes(cost), tuple(gradients_after(cost)))
 
 
 def post_forward(cost: StepCost) -> int:
@@ -171,6 +106,269 @@ def end_need(cost: StepCost) -> int:
     """[constraint] The end of the forward and the head's backward, on top of what the
     blocks leave resident: the forward with last step's gradients still allocated
     (when they are), the head's backward with only the gradients outside the blocks."""
-    static = cost.static_bytes + cost.pre_saved_bytes
-    fwd_grads = cost.grad_bytes if cost.grads_live_in_forward else 0
-    return static + max(post_forward(cost) + fwd_grads, cost.post_saved_bytes + cost.outside_grad_bytes)
+    return base_bytes(cost) + max(post_forward(cost) + forward_grad_bytes(cost), cost.post_saved_bytes + cost.outside_grad_bytes)
+
+
+def end_relief(cost: StepCost, last_kept: bool) -> int:
+    """[constraint] The head runs on the last block's output: already resident (not
+    counted again in `end_need`) when that block is kept and saved it."""
+    return cost.blocks[-1].output_saved_bytes if cost.n_blocks and last_kept else 0
+
+
+def optimizer_need(cost: StepCost) -> int:
+    """The optimizer step: parameters and state, all gradients, the optimizer's scratch."""
+    return cost.static_bytes + cost.grad_bytes + cost.optimizer_transient_bytes
+
+
+# ----------------------------------------------------------------------------- elements (scalar form)
+
+
+class Element(NamedTuple):
+    """One element of a plan: kept block `first` (== `last`) or checkpointed segment [first, last].
+
+    forward_bytes, backward_bytes: the peak of its forward and of its backward on top of
+        R_e, the bytes the elements before it leave resident (`base_bytes` included; the
+        backward with the gradients of the blocks after it). Both before `boundary_shift`.
+    backward_block: the block where `backward_bytes` is reached (the last of equal ones).
+    resident_bytes: what it leaves resident for later blocks, before `boundary_shift`.
+    """
+
+    first: int
+    last: int
+    checkpointed: bool
+    forward_bytes: int
+    backward_bytes: int
+    backward_block: int
+    resident_bytes: int
+
+    @property
+    def need_bytes(self) -> int:
+        """need_e: the element's own peak on top of R_e."""
+        return max(self.forward_bytes, self.backward_bytes)
+
+
+def boundary_shift(cost: StepCost, first: int, checkpointed: bool, after_kept: bool) -> int:
+    """The correction to the need and the resident bytes of the element starting at
+    block `first`, for storages it shares with the block before (`after_kept`: that
+    block is kept). A storage two neighbours save counts once, with the first saver.
+
+    [constraint] a kept block after a checkpointed one also holds what it shares with
+    that block (`shared_with_previous_bytes`: no longer resident on the other's
+    account); a segment after a kept block finds its boundary already resident when
+    that block saved it (`input_saved_by_previous_bytes`). Zero everywhere else, and
+    at block 0, which has no block before it.
+    """
+    if first == 0:
+        return 0
+    blk = cost.blocks[first]
+    if checkpointed:
+        return -blk.input_saved_by_previous_bytes if after_kept else 0
+    return 0 if after_kept else blk.shared_with_previous_bytes
+
+
+def boundary_shifts(cost: StepCost, segments: Segments) -> list[int]:
+    """Per block, the `boundary_shift` of the element starting there (0 inside a segment)."""
+    n = cost.n_blocks
+    owner = segment_of(n, segments)
+    shift = [0] * n
+    for i in range(n):
+        ckpt = owner[i] >= 0
+        if not ckpt or segments[owner[i]][0] == i:
+            shift[i] = boundary_shift(cost, i, ckpt, i > 0 and owner[i - 1] < 0)
+    return shift
+
+
+def kept_element(cost: StepCost, p: int, terms: StepTerms) -> Element:
+    """Block `p` kept (`terms` = `step_terms(cost)`).
+
+    [constraint] it leaves what it saved resident. Its forward also holds its output
+    (less the part it saves) and its scratch, with last step's gradients allocated;
+    its backward holds the gradient of its output and its scratch, with the
+    gradients of later blocks.
+    """
+    blk = cost.blocks[p]
+    base = terms.base_bytes + blk.saved_bytes
+    fwd = base + terms.forward_grad_bytes + blk.output_bytes - blk.output_saved_bytes + blk.fwd_transient_bytes
+    bwd = base + terms.gradients_after[p] + blk.output_bytes + blk.bwd_transient_bytes
+    return Element(p, p, False, fwd, bwd, p, blk.saved_bytes)
+
+
+def segment_elements(cost: StepCost, first: int, terms: StepTerms) -> Iterator[Element]:
+    """The checkpointed segments [first, b] for b = first, first + 1, ... to the last
+    block, each in O(1) from the one before (`terms` = `step_terms(cost)`).
+    Chaining is not checked here: it decides which plans are valid, not their peak.
+
+    [constraint] a segment leaves only its boundary (its first block's input) resident.
+    Its forward saves nothing: block b holds its input and what it makes in flight
+    (`ckpt_forward_bytes`), from the second block on beside the boundary. Its backward
+    rebuilds the interior at once on top of the boundary (counted once when the first
+    block saves its input); the last block's backward also sees the recompute's
+    forward scratch, and block k < b runs its backward with blocks first..k rebuilt.
+    """
+    blocks = cost.blocks
+    after = terms.gradients_after
+    x = blocks[first].input_bytes
+    fwd_base = terms.base_bytes + terms.forward_grad_bytes
+    bwd_base = terms.base_bytes + x - blocks[first].input_saved_bytes
+    fwd = rebuilt = scratch = 0
+    inner, inner_at = None, first  # the largest backward of a block before b, and its block
+    for b in range(first, len(blocks)):
+        blk = blocks[b]
+        fwd = max(fwd, fwd_base + (x if b > first else 0) + blk.input_bytes + ckpt_forward_bytes(blk))
+        rebuilt += blk.saved_bytes
+        scratch = max(scratch, blk.fwd_transient_bytes)
+        held = bwd_base + after[b] + rebuilt + blk.output_bytes
+        last = held + max(blk.bwd_transient_bytes, scratch)
+        if inner is None or last >= inner:
+            yield Element(first, b, True, fwd, last, b, x)
+        else:
+            yield Element(first, b, True, fwd, inner, inner_at, x)
+        if inner is None or held + blk.bwd_transient_bytes >= inner:
+            inner, inner_at = held + blk.bwd_transient_bytes, b
+
+
+def plan_elements(cost: StepCost, segments: Segments) -> Iterator[tuple[Element, int]]:
+    """The elements of a plan (validated `segments`) left to right, with their `boundary_shift`."""
+    terms = step_terms(cost)
+    starts = {a: b for a, b in segments}
+    i, kept_before, n = 0, False, cost.n_blocks
+    while i < n:
+        if i in starts:
+            el = next(e for e in segment_elements(cost, i, terms) if e.last == starts[i])
+        else:
+            el = kept_element(cost, i, terms)
+        yield el, boundary_shift(cost, i, el.checkpointed, kept_before)
+        i, kept_before = el.last + 1, not el.checkpointed
+
+
+def predict_peak(cost: StepCost, segments: Segments) -> PeakBreakdown:
+    """Peak bytes of a whole training step under `segments` (already validated), by phase.
+
+    [recurrence] the elements left to right, R_e summing what those before e leave
+    resident (shifts included):
+      forward   = max(R_n + end_need - relief, max_e (R_e + shift_e + forward_e))
+                  (the end of the forward and the head's backward count as forward),
+      backward  = max_e (R_e + shift_e + backward_e), block by block from the last,
+      optimizer = opt_need;
+    the peak is the largest, its phase the first of forward, optimizer, backward:<block>
+    that reaches it (for backward, the last block of equal ones).
+    """
+    resident = 0
+    fwd, bwd, bwd_at = 0, base_bytes(cost), -1
+    kept_last = False
+    for el, shift in plan_elements(cost, segments):
+        fwd = max(fwd, resident + shift + el.forward_bytes)
+        if resident + shift + el.backward_bytes >= bwd:
+            bwd, bwd_at = resident + shift + el.backward_bytes, el.backward_block
+        resident += el.resident_bytes + shift
+        kept_last = not el.checkpointed
+    fwd = max(fwd, resident + end_need(cost) - end_relief(cost, kept_last))
+    opt = optimizer_need(cost)
+    peak = max(fwd, bwd, opt)
+    phase = "forward" if peak == fwd else ("optimizer" if peak == opt else f"backward:{cost.blocks[bwd_at].name}")
+    return PeakBreakdown(int(peak), phase, int(fwd), int(bwd), int(opt))
+
+
+# ----------------------------------------------------------------------------- elements (numpy form)
+
+
+@dataclass
+class ElementArrays:
+    """The element form as int64 columns over the blocks, for the exact chain planner.
+
+    keep_need[p] is `kept_element(p).need_bytes`; `segment_need_rows` gives
+    `need_bytes` of every segment; the resident bytes are `saved` (kept) and `x` (a
+    segment's boundary). sh[p] and -o[p] are the `boundary_shift` of a kept block after
+    a checkpointed one and of a segment after a kept block (both 0 at p = 0);
+    o[n] is `end_relief` with the last block kept (the end acts as a segment start
+    whose boundary is the last block's output).
+    """
+
+    n: int
+    static: int  # base_bytes
+    fwd_grads: int  # forward_grad_bytes
+    outside_grad: int
+    end_need: int
+    opt_need: int
+    saved: np.ndarray
+    x: np.ndarray  # input_bytes
+    xs: np.ndarray  # input_saved_bytes
+    sh: np.ndarray  # shared_with_previous_bytes (n + 1, 0 at 0 and n)
+    o: np.ndarray  # input_saved_by_previous_bytes (n + 1, 0 at 0, end relief at n)
+    ft: np.ndarray  # fwd_transient_bytes
+    bt: np.ndarray  # bwd_transient_bytes
+    W: np.ndarray  # prefix sums of saved (n + 1)
+    f: np.ndarray  # input + in-flight peak of a forward that saves nothing (a checkpointed block's)
+    v: np.ndarray  # G + W[b+1] + out (G: gradients_after)
+    inner: np.ndarray  # v + bt: backward of a non-last segment block, less the segment's base
+    keep_need: np.ndarray
+
+
+def element_arrays(cost: StepCost) -> ElementArrays:
+    """The columns of `ElementArrays` for `cost` (the same terms as the scalar form)."""
+    blocks = cost.blocks
+    n = len(blocks)
+    i64 = np.int64
+
+    def col(name):
+        return np.array([getattr(b, name) for b in blocks], dtype=i64) if n else np.zeros(0, dtype=i64)
+
+    saved, x, xs, out, os_ = (col(k) for k in ("saved_bytes", "input_bytes", "input_saved_bytes", "output_bytes", "output_saved_bytes"))
+    ft, bt = col("fwd_transient_bytes"), col("bwd_transient_bytes")
+    G = np.array(gradients_after(cost), dtype=i64)
+    sh = np.concatenate((col("shared_with_previous_bytes"), np.zeros(1, dtype=i64)))
+    o = np.concatenate((col("input_saved_by_previous_bytes"), np.zeros(1, dtype=i64)))
+    sh[0] = o[0] = 0  # nothing before block 0
+    o[n] = end_relief(cost, True)
+    W = np.zeros(n + 1, dtype=i64)
+    np.cumsum(saved, out=W[1:])
+    static, fwd_grads = base_bytes(cost), forward_grad_bytes(cost)
+    v = G + W[1:] + out
+    return ElementArrays(
+        n=n,
+        static=static,
+        fwd_grads=fwd_grads,
+        outside_grad=cost.outside_grad_bytes,
+        end_need=end_need(cost),
+        opt_need=optimizer_need(cost),
+        saved=saved,
+        x=x,
+        xs=xs,
+        sh=sh,
+        o=o,
+        ft=ft,
+        bt=bt,
+        W=W,
+        f=x + np.array([ckpt_forward_bytes(b) for b in blocks], dtype=i64).reshape(n),
+        v=v,
+        inner=v + bt,
+        # [constraint] `kept_element`: forward or backward on top of what it saved
+        keep_need=static + saved + np.maximum(fwd_grads + out - os_ + ft, G + out + bt),
+    )
+
+
+def segment_need_rows(a: ElementArrays, p0: int, p1: int, width: int) -> np.ndarray:
+    """need(p, p + t) of `segment_elements` for p in [p0, p1) (rows) and t < width
+    (columns; where p + t is past the last block the values are meaningless)."""
+    pad = np.zeros(width, dtype=np.int64)
+
+    def win(arr):
+        ext = np.concatenate((arr[p0 : min(p1 + width, a.n)], pad))
+        return np.lib.stride_tricks.sliding_window_view(ext, width)[: p1 - p0]
+
+    rows = slice(p0, p1)
+    # [constraint] forward without saving: block b holds its input and what it makes in
+    # flight (`f`), from b = p + 1 on top of the boundary x_p as well.
+    fwd = win(a.f) + a.x[rows, None]
+    fwd[:, 0] -= a.x[rows]
+    np.maximum.accumulate(fwd, axis=1, out=fwd)
+    fwd += a.static + a.fwd_grads
+    # [constraint] backward: the interior is rebuilt at once on top of the boundary; the
+    # last block's backward also sees the recompute's forward scratch; block k < b runs
+    # its backward with blocks p..k still rebuilt.
+    last = win(a.v) + np.maximum(win(a.bt), np.maximum.accumulate(win(a.ft), axis=1))
+    if width > 1:
+        inner = np.maximum.accumulate(win(a.inner), axis=1)
+        np.maximum(last[:, 1:], inner[:, :-1], out=last[:, 1:])
+    last += (a.static + a.x[rows] - a.xs[rows] - a.W[rows])[:, None]
+    return np.maximum(fwd, last, out=fwd)

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from lightning_ckpt.planning.costs import StepCost, ckpt_forward_bytes
+from lightning_ckpt.planning.chain_planner import solve_chain
+from lightning_ckpt.planning.costs import StepCost
 from lightning_ckpt.planning.memory_model import (
-    end_need,
     predict_peak,
     segment_of,
     validate_segments,
@@ -23,8 +22,6 @@ from lightning_ckpt.planning.recompute_cost import (
     block_recompute,
     metric_rates,
     recompute_cost,
-    segment_overhead,
-    skipped_tail,
 )
 
 POLICIES = ("none", "full", "every_k", "sqrt", "greedy", "optimal")
@@ -88,8 +85,8 @@ def _split_unchainable(cost: StepCost, segments: Sequence[tuple[int, int]]) -> l
 def greedy_segments(cost: StepCost, budget_bytes: int, metric: str = "flops") -> list[tuple[int, int]]:
     """Checkpoint blocks in order of bytes freed per unit of recompute until the plan fits.
 
-    The seeds' ranking rule; after each added block both groupings (one segment per
-    block, merged runs) are tried and the first that fits wins.
+    After each added block both groupings (one segment per block, merged runs) are
+    tried and the first that fits wins.
     """
     rates = metric_rates(cost, metric)
     n = cost.n_blocks
@@ -118,170 +115,19 @@ def greedy_segments(cost: StepCost, budget_bytes: int, metric: str = "flops") ->
 # ----------------------------------------------------------------------------- optimal
 
 
-@dataclass(frozen=True)
-class _Element:
-    first: int
-    last: int
-    checkpointed: bool
-    resident_bytes: int  # what it leaves resident for later blocks
-    need_bytes: int  # its own peak on top of the resident bytes of earlier blocks
-    cost: float
-
-
-def _elements_from(
-    cost: StepCost, a: int, grads_after: list[int], fwd_grads: int, max_len: int, metric: str, room: float = math.inf
-):
-    """Kept block `a`, and every checkpointed segment starting at `a`, with their needs.
-
-    Segments stop growing once even their rebuilt interior alone exceeds `room`.
-    """
-    blocks = cost.blocks
-    rates = metric_rates(cost, metric)
-    static = cost.static_bytes + cost.pre_saved_bytes
-    blk = blocks[a]
-    # [constraint] a kept block: its forward and its backward on top of earlier blocks.
-    need = static + blk.saved_bytes + max(
-        fwd_grads + blk.output_bytes - blk.output_saved_bytes + blk.fwd_transient_bytes,
-        grads_after[a] + blk.output_bytes + blk.bwd_transient_bytes,
-    )
-    yield _Element(a, a, False, blk.saved_bytes, need, 0.0)
-    x_a = blk.input_bytes
-    base = static + x_a - blk.input_saved_bytes
-    # the smallest base any predecessor allows (a kept one may already hold the boundary)
-    least_base = base - blk.input_saved_by_previous_bytes
-    fwd_need = 0
-    saved_sum = 0  # S(a..b)
-    scratch = 0  # largest forward scratch in the segment (the recompute's)
-    inner = -math.inf  # max over k < b of the backward of block k, less `base`
-    run_cost = 0.0
-    for b in range(a, min(len(blocks), a + max_len)):
-        if b > a and not blocks[b].chains_from_previous:
-            break
-        bb = blocks[b]
-        saved_sum += bb.saved_bytes
-        if least_base + cost.outside_grad_bytes + saved_sum > room:
-            break  # [constraint] the rebuilt interior only grows with the segment
-        run_cost += block_recompute(bb, metric, rates)
-        scratch = max(scratch, bb.fwd_transient_bytes)
-        # [constraint] forward without saving: each block on its input and what it makes
-        # in flight; from the second block on the segment's boundary is held as well
-        boundary = x_a if b > a else 0
-        fwd_need = max(fwd_need, static + fwd_grads + boundary + bb.input_bytes + ckpt_forward_bytes(bb))
-        # [constraint] backward of the segment: its interior is rebuilt at once on top of
-        # the boundary; block k's backward then runs with blocks a..k still rebuilt.
-        last = grads_after[b] + saved_sum + bb.output_bytes + max(bb.bwd_transient_bytes, scratch)
-        bwd_need = base + max(inner, last)
-        inner = max(inner, grads_after[b] + saved_sum + bb.output_bytes + bb.bwd_transient_bytes)
-        cost_ab = run_cost - skipped_tail(bb, metric, rates) + segment_overhead(metric, rates)
-        yield _Element(a, b, True, x_a, max(fwd_need, bwd_need), cost_ab)
-
-
 def optimal_segments(
     cost: StepCost, budget_bytes: int, metric: str = "flops", max_segment_blocks: int | None = None
 ) -> list[tuple[int, int]]:
     """Exact minimum-recompute plan under the memory model; among those, the lowest peak.
 
-    Solved by `lightning_ckpt.planning.chain_planner.solve_chain`: a backward Pareto DP over
-    (suffix demand, recompute) whose frontier at the first block directly holds the
-    lowest peak for every cost, so the tie-break needs no budget bisection; a pool of
-    segment continuations with exact dominance and a bounding beam run plan 1,000
-    transformer-like blocks in about 0.3 s (chains of near-tied but unequal blocks
-    are much slower: see chain_dp's "Cost"). `_least_recompute` (below) is the
-    original forward DP, kept as the reference the tests hold the fast solver to.
+    Solved by `chain_planner.solve_chain`, a backward Pareto DP over (suffix demand,
+    recompute) on the element form of `memory_model`; tests/oracles.py holds the
+    brute force and the reference DP it is checked against.
     """
-    from lightning_ckpt.planning.chain_planner import solve_chain
-
     found = solve_chain(cost, budget_bytes, metric, max_segment_blocks)
     if found is None:
         raise InfeasibleBudgetError(_infeasible_message(cost, budget_bytes, "optimal"))
     return found.segments
-
-
-def _least_recompute(
-    cost: StepCost, budget_bytes: int, metric: str, max_segment_blocks: int | None, cost_cap: float = math.inf
-) -> tuple[float, list[tuple[int, int]]] | None:
-    """(least recompute, a plan reaching it) within `budget_bytes`, or None.
-
-    The original (slow, simple) forward DP, no longer used by `optimal_segments`:
-    `chain_dp._reference_optimal_segments` adds its budget-bisection tie-break and the
-    tests compare the fast solver against both.
-
-    [recurrence] walking the chain left to right, the state after a prefix is the
-    pair (bytes left resident R, recompute spent C); the choice for the next block
-    (keep it, or open a segment of length L) is feasible iff R + need <= budget and
-    moves to (R + resident, C + cost). A state is dropped when another has R' <= R
-    and C' <= C: every later constraint depends on the prefix only through R, so the
-    Pareto frontier is exact. States costing more than `cost_cap` are dropped too.
-    """
-    n = cost.n_blocks
-    max_len = n if max_segment_blocks is None else max(1, max_segment_blocks)
-    grads_after = [0] * n
-    acc = cost.outside_grad_bytes
-    for i in range(n - 1, -1, -1):
-        grads_after[i] = acc
-        acc += cost.blocks[i].grad_bytes
-    fwd_grads = cost.grad_bytes if cost.grads_live_in_forward else 0
-    static = cost.static_bytes + cost.pre_saved_bytes
-    end = end_need(cost)
-    opt_need = cost.static_bytes + cost.grad_bytes + cost.optimizer_transient_bytes
-    if opt_need > budget_bytes:
-        return None
-
-    # frontier[p]: list of (R, C, back, last_kept) with back = (prev_position,
-    # prev_state_index, element); last_kept: block p - 1 is kept (decides the
-    # `boundary_shifts` correction of the next element).
-    frontier: list[list[tuple]] = [[] for _ in range(n + 1)]
-    frontier[0] = [(0, 0.0, None, False)]
-    for p in range(n):
-        states = frontier[p]
-        if not states:
-            continue
-        min_r = min(st[0] for st in states)
-        elements = list(_elements_from(cost, p, grads_after, fwd_grads, max_len, metric, budget_bytes - min_r))
-        blk = cost.blocks[p]
-        for si, (r, c, _, last_kept) in enumerate(states):
-            for el in elements:
-                if el.checkpointed:
-                    shift = -blk.input_saved_by_previous_bytes if last_kept else 0
-                else:
-                    shift = 0 if last_kept else blk.shared_with_previous_bytes
-                if r + el.need_bytes + shift <= budget_bytes and c + el.cost <= cost_cap:
-                    frontier[el.last + 1].append(
-                        (r + el.resident_bytes + shift, c + el.cost, (p, si, el), not el.checkpointed)
-                    )
-        # [recurrence] position p+1 has received from every source (all q <= p): prune
-        # it, separately by whether block p is kept (the next element's shift differs).
-        frontier[p + 1] = _pareto([st for st in frontier[p + 1] if st[3]]) + _pareto(
-            [st for st in frontier[p + 1] if not st[3]]
-        )
-    # the head runs on the last block's output, already resident if that block is kept and saved it
-    last_saved = cost.blocks[-1].output_saved_bytes if n else 0
-    finals = [st for st in frontier[n] if st[0] + end - (last_saved if st[3] else 0) <= budget_bytes]
-    if not finals:
-        return None
-    best = min(finals, key=lambda st: (st[1], st[0]))
-    return best[1], _backtrack(frontier, best)
-
-
-def _pareto(states: list[tuple]) -> list[tuple]:
-    """Keep the states no other beats or equals on both resident bytes and cost."""
-    states.sort(key=lambda st: (st[1], st[0]))
-    kept: list[tuple] = []
-    for st in states:
-        if not kept or st[0] < kept[-1][0]:  # kept: rising cost, falling resident bytes
-            kept.append(st)
-    return kept
-
-
-def _backtrack(frontier, state) -> list[tuple[int, int]]:
-    segs = []
-    s = state
-    while s[2] is not None:
-        p, si, el = s[2]
-        if el.checkpointed:
-            segs.append((el.first, el.last))
-        s = frontier[p][si]
-    return sorted(segs)
 
 
 # ----------------------------------------------------------------------------- entry point

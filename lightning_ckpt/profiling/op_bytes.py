@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_ckpt.profiling.tracker import _storage_key
+from lightning_ckpt.profiling.tracker import storage_key
 
 __all__ = ["OpBytesCounter", "written_bytes"]
 
@@ -55,9 +55,9 @@ def written_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     mutates = schema.is_mutable
     inputs = set()
     if not mutates:
-        inputs = {_storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        inputs = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         inputs.discard(None)
-    return sum(t.numel() * t.element_size() for t in outs if mutates or _storage_key(t) not in inputs)
+    return sum(t.numel() * t.element_size() for t in outs if mutates or storage_key(t) not in inputs)
 
 
 def _is_random(func: Any) -> bool:

@@ -29,8 +29,8 @@ from lightning_ckpt.profiling.op_bytes import OpBytesCounter
 from lightning_ckpt.profiling.state import preserved_state
 from lightning_ckpt.profiling.tracker import (
     LiveBytesTracker,
-    _storage_key,
     storage_bytes,
+    storage_key,
 )
 
 StepFn = Callable[[Any], torch.Tensor]
@@ -58,7 +58,7 @@ class _Probe:
         self.tracker = tracker
         self.flops = flops
         self.work = work
-        self.param_keys = {_storage_key(p) for p in model.parameters()}
+        self.param_keys = {storage_key(p) for p in model.parameters()}
         # ZeRO-3 parameters have empty storage until gathered in the forward: also tell them by identity.
         self.param_ids = {id(p) for p in model.parameters()}
         self.current: int | None = None
@@ -111,13 +111,13 @@ class _Probe:
             # the previous output itself, or an alias of it (ZeRO-3 re-wraps it): see `receives_output`
             self.chains[i] = bool(args) and receives_output(args[0], self.prev_output, self.prev_version)
         self.current = i
-        self.input_key[i] = _storage_key(first) if first is not None else None
+        self.input_key[i] = storage_key(first) if first is not None else None
         self.input_bytes[i] = storage_bytes(first) if first is not None else 0
         if i > 0 and self.input_key[i] is not None and self.owner.get(self.input_key[i]) == i - 1:
             self.input_by_prev[i] = self.input_bytes[i]
         self.live_entry[i] = self.tracker.live_bytes
         if i == 0:
-            own = self.input_bytes[0] if self.input_key[0] in self.tracker._live else 0
+            own = self.input_bytes[0] if self.tracker.is_live(self.input_key[0]) else 0
             self.pre_bytes = max(0, self.tracker.live_bytes - own)
         self.tracker.reset_peak()
         self.flops_at_entry[i] = self.flops.get_total_flops()
@@ -131,7 +131,7 @@ class _Probe:
         self.prev_version = tensor_version(out)
         live = self.tracker.live_bytes
         self.output_bytes[i] = storage_bytes(out) if out is not None else 0
-        if out is not None and self.owner.get(_storage_key(out)) == i:
+        if out is not None and self.owner.get(storage_key(out)) == i:
             self.output_saved[i] = self.output_bytes[i]
         self.fwd_transient[i] = max(0, self.tracker.peak_bytes - live)
         self.fwd_flops[i] = self.flops.get_total_flops() - self.flops_at_entry[i]
@@ -140,14 +140,14 @@ class _Probe:
         if out is not None and out.requires_grad:
             out.register_hook(self._bwd_marker(i))
         if i == self.n - 1:
-            self.live_after_last = live - (self.output_bytes[i] if _storage_key(out) in self.tracker._live else 0)
+            self.live_after_last = live - (self.output_bytes[i] if self.tracker.is_live(storage_key(out)) else 0)
             self.post_open = True
             self.tracker.reset_peak()
 
     def pack(self, t: torch.Tensor):
         i = self.current
         if i is not None:
-            key = _storage_key(t)
+            key = storage_key(t)
             base = t if t._base is None else t._base
             if key is not None and key not in self.param_keys and id(base) not in self.param_ids:
                 first_owner = self.owner.get(key)

@@ -16,10 +16,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["LiveBytesTracker", "storage_bytes", "unique_storage_bytes"]
+__all__ = ["LiveBytesTracker", "storage_bytes", "storage_key", "unique_storage_bytes"]
 
 
-def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
+def storage_key(t: torch.Tensor) -> tuple[str, int] | None:
+    """(device, data pointer) of the storage behind `t`; None for meta, empty or storage-less tensors."""
     try:
         st = t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # meta, sparse, functional wrappers
@@ -44,7 +45,7 @@ def unique_storage_bytes(tensors: Iterable[Any]) -> int:
     for t in tensors:
         if not isinstance(t, torch.Tensor):
             continue
-        key = _storage_key(t)
+        key = storage_key(t)
         if key is None or key in seen:
             continue
         seen.add(key)
@@ -82,6 +83,10 @@ class LiveBytesTracker(TorchDispatchMode):
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
 
+    def is_live(self, key: tuple[str, int] | None) -> bool:
+        """Whether the storage with this `storage_key` is counted in `live_bytes` now."""
+        return key in self._live
+
     def _free(self, key: tuple[str, int]) -> None:
         nbytes = self._live.pop(key, None)
         if nbytes is not None:
@@ -90,7 +95,7 @@ class LiveBytesTracker(TorchDispatchMode):
     def _track(self, t: torch.Tensor) -> None:
         if self.device is not None and t.device.type != self.device:
             return
-        key = _storage_key(t)
+        key = storage_key(t)
         if key is None or key in self._live:
             return
         st = t.untyped_storage()
@@ -106,10 +111,10 @@ class LiveBytesTracker(TorchDispatchMode):
         flat_in, _ = tree_flatten((args, kwargs))
         # Views and in-place results share an input's storage: that storage was either
         # counted when it was made or existed before the mode (a parameter): skip it.
-        inputs = {_storage_key(t) for t in flat_in if isinstance(t, torch.Tensor)}
+        inputs = {storage_key(t) for t in flat_in if isinstance(t, torch.Tensor)}
         flat, _ = tree_flatten(out)
         for t in flat:
-            if isinstance(t, torch.Tensor) and _storage_key(t) not in inputs:
+            if isinstance(t, torch.Tensor) and storage_key(t) not in inputs:
                 self._track(t)
         return out
 

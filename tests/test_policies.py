@@ -1,13 +1,14 @@
-"""Planner: fixed shapes, greedy, and the exact chain DP against brute force."""
+"""Policies: fixed shapes, greedy, and `optimal` against brute force (tests/oracles.py);
+`uniform` and `random_cost` are the chains the planner tests share."""
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracles import brute_force
 
 from lightning_ckpt.planning.costs import BlockCost, StepCost
 from lightning_ckpt.planning.memory_model import predict_peak
@@ -29,37 +30,6 @@ def uniform(n: int, saved: int = 10 * MiB, boundary: int = MiB // 2, flops: int 
         for i in range(n)
     )
     return StepCost(blocks=blocks, batch_size=8)
-
-
-def all_plans(n: int):
-    """Every plan of a chain of n blocks: each gap is 'kept', 'new segment' or 'same segment'."""
-    for labels in itertools.product((0, 1), repeat=n):  # 1 = checkpointed
-        ck = [i for i in range(n) if labels[i]]
-        # between consecutive checkpointed neighbours we may cut or not
-        joints = [i for i in ck if i - 1 in ck]
-        for cuts in itertools.product((False, True), repeat=len(joints)):
-            cut = dict(zip(joints, cuts))
-            segs: list[tuple[int, int]] = []
-            for i in ck:
-                if segs and segs[-1][1] == i - 1 and not cut[i]:
-                    segs[-1] = (segs[-1][0], i)
-                else:
-                    segs.append((i, i))
-            yield segs
-
-
-def brute_force(cost: StepCost, budget: int):
-    best = None
-    for segs in all_plans(cost.n_blocks):
-        if any(not cost.blocks[i].chains_from_previous for a, b in segs for i in range(a + 1, b + 1)):
-            continue  # a segment may only span blocks that chain
-        peak = predict_peak(cost, segs).peak_bytes
-        if peak > budget:
-            continue
-        key = (recompute_cost(cost, segs), peak)
-        if best is None or key < best[0]:
-            best = (key, segs)
-    return best
 
 
 def random_cost(rng: random.Random, n: int) -> StepCost:

@@ -1,4 +1,5 @@
-"""The fast chain planner (`chain_dp.solve_chain`) against brute force and the reference DP.
+"""The fast chain planner (`chain_planner.solve_chain`) against the oracles of tests/oracles.py:
+brute force (peaks from the phase walk) and the reference DP (the scalar element form).
 
 Timing claims (1,000 blocks in under a second) live in benchmarks/chain_planner.py,
 not here; these tests only check that the answer is exact for the memory model:
@@ -11,12 +12,16 @@ import dataclasses
 import random
 
 import pytest
-from test_planner import all_plans, brute_force, random_cost, uniform
-
-from lightning_ckpt.planning.chain_planner import (
-    _reference_optimal_segments,
-    solve_chain,
+from oracles import (
+    all_plans,
+    brute_force,
+    chainable,
+    reference_optimal_segments,
+    walk_peak,
 )
+from test_policies import random_cost, uniform
+
+from lightning_ckpt.planning.chain_planner import solve_chain
 from lightning_ckpt.planning.costs import BlockCost, StepCost
 from lightning_ckpt.planning.machine_rates import MachineRates
 from lightning_ckpt.planning.memory_model import predict_peak
@@ -92,12 +97,7 @@ def budgets_for(rng: random.Random, cost: StepCost, k: int) -> list[int]:
 
 def outcomes(cost: StepCost) -> list[tuple[int, int]]:
     """(recompute, peak) of every valid plan: brute force for many budgets at once."""
-    res = []
-    for segs in all_plans(cost.n_blocks):
-        if any(not cost.blocks[i].chains_from_previous for a, b in segs for i in range(a + 1, b + 1)):
-            continue
-        res.append((recompute_cost(cost, segs), predict_peak(cost, segs).peak_bytes))
-    return res
+    return [(recompute_cost(cost, segs), walk_peak(cost, segs).peak_bytes) for segs in all_plans(cost.n_blocks) if chainable(cost, segs)]
 
 
 def check(cost: StepCost, budget: int, expected: tuple | None, **kw) -> None:
@@ -111,7 +111,7 @@ def check(cost: StepCost, budget: int, expected: tuple | None, **kw) -> None:
     got = (recompute_cost(cost, sol.segments), peak)
     assert got == tuple(expected), (budget, got, expected, sol.segments)
     assert sol.peak_bytes == peak and sol.cost == got[0]
-    assert all(cost.blocks[i].chains_from_previous for a, b in sol.segments for i in range(a + 1, b + 1))
+    assert chainable(cost, sol.segments)
 
 
 @pytest.mark.parametrize("seed", range(250))
@@ -140,9 +140,31 @@ def test_corner_chains_equal_brute_force(seed):
             check(cost, budget, expected, beam=beam)
 
 
+@pytest.mark.parametrize("seed", range(60))
+def test_first_block_overlap_fields_are_ignored(seed):
+    """Block 0 has no block before it, so what it would share with one is never
+    resident elsewhere: the model ignores those fields and the planner may not count
+    on them (plans within the budget, equal to brute force)."""
+    rng = random.Random(80_000 + seed)
+    cost = rich_cost(rng, rng.randint(1, 6))
+    first = cost.blocks[0]
+    odd = dataclasses.replace(
+        first,
+        shared_with_previous_bytes=rng.randint(1, 60),
+        input_saved_by_previous_bytes=rng.randint(0, first.input_bytes),
+    )
+    odd_cost = dataclasses.replace(cost, blocks=(odd, *cost.blocks[1:]))
+    table = outcomes(odd_cost)
+    assert table == outcomes(cost)
+    for budget in budgets_for(rng, odd_cost, 3):
+        fits = [o for o in table if o[1] <= budget]
+        for beam in BEAMS:
+            check(odd_cost, budget, min(fits) if fits else None, beam=beam)
+
+
 @pytest.mark.parametrize("seed", range(24))
 def test_equals_reference_dp_on_longer_chains(seed):
-    """n = 20..60: the original forward DP with its bisection tie-break is the reference."""
+    """n = 20..60: the reference forward DP with its bisection tie-break."""
     rng = random.Random(30_000 + seed)
     n = rng.randint(20, 60)
     # the reference sums FLOPs in floats, so no FLOPs beyond 2**53 here (brute force covers those)
@@ -150,7 +172,7 @@ def test_equals_reference_dp_on_longer_chains(seed):
     lo = predict_peak(cost, every_k_segments(n, 1)).peak_bytes
     hi = predict_peak(cost, []).peak_bytes
     budget = min(lo, hi) + int(rng.uniform(0.05, 1.0) * abs(hi - lo))
-    ref = _reference_optimal_segments(cost, budget)
+    ref = reference_optimal_segments(cost, budget)
     expected = None if ref is None else (recompute_cost(cost, ref), predict_peak(cost, ref).peak_bytes)
     for beam in (0, 4, 16):
         check(cost, budget, expected, beam=beam)
@@ -162,7 +184,7 @@ def test_uniform_chain_equals_reference(frac):
     lo = predict_peak(cost, every_k_segments(40, 1)).peak_bytes
     hi = predict_peak(cost, []).peak_bytes
     budget = int(lo + frac * (hi - lo))
-    ref = _reference_optimal_segments(cost, budget)
+    ref = reference_optimal_segments(cost, budget)
     for beam in (0, 16):
         check(cost, budget, (recompute_cost(cost, ref), predict_peak(cost, ref).peak_bytes), beam=beam)
 
@@ -176,7 +198,7 @@ def test_max_segment_blocks_equals_reference(seed):
     hi = predict_peak(cost, []).peak_bytes
     budget = min(lo, hi) + int(rng.uniform(0.0, 1.0) * abs(hi - lo))
     k = rng.randint(1, 4)
-    ref = _reference_optimal_segments(cost, budget, max_segment_blocks=k)
+    ref = reference_optimal_segments(cost, budget, max_segment_blocks=k)
     expected = None if ref is None else (recompute_cost(cost, ref), predict_peak(cost, ref).peak_bytes)
     for beam in (0, 3):
         check(cost, budget, expected, beam=beam, max_segment_blocks=k)
@@ -199,7 +221,7 @@ def test_ms_metric_matches_reference_cost(seed):
     lo = predict_peak(cost, every_k_segments(n, 1)).peak_bytes
     hi = predict_peak(cost, []).peak_bytes
     budget = min(lo, hi) + int(rng.uniform(0.0, 1.0) * abs(hi - lo))
-    ref = _reference_optimal_segments(cost, budget, metric="ms")
+    ref = reference_optimal_segments(cost, budget, metric="ms")
     for beam in (0, 3):
         sol = solve_chain(cost, budget, metric="ms", beam=beam)
         assert (sol is None) == (ref is None)
@@ -245,8 +267,8 @@ def test_time_metric_equals_brute_force_exactly(seed):
     cost = with_work(rng, rich_cost(rng, n, huge=False), rates)
     table = []
     for segs in all_plans(n):
-        if all(cost.blocks[i].chains_from_previous for a, b in segs for i in range(a + 1, b + 1)):
-            table.append((ns(recompute_cost(cost, segs, "time")), predict_peak(cost, segs).peak_bytes))
+        if chainable(cost, segs):
+            table.append((ns(recompute_cost(cost, segs, "time")), walk_peak(cost, segs).peak_bytes))
     for budget in budgets_for(rng, cost, 3):
         fits = [o for o in table if o[1] <= budget]
         expected = min(fits) if fits else None
@@ -273,7 +295,7 @@ def test_time_metric_matches_reference_dp_with_measured_like_rates(seed):
     lo = predict_peak(cost, every_k_segments(n, 1)).peak_bytes
     hi = predict_peak(cost, []).peak_bytes
     budget = min(lo, hi) + int(rng.uniform(0.05, 1.0) * abs(hi - lo))
-    ref = _reference_optimal_segments(cost, budget, metric="time")
+    ref = reference_optimal_segments(cost, budget, metric="time")
     for beam in (0, 3):
         sol = solve_chain(cost, budget, metric="time", beam=beam)
         assert (sol is None) == (ref is None)

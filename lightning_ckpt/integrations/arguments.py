@@ -1,0 +1,92 @@
+"""Checks of `ActivationCheckpointing`'s arguments, with messages that say what to do.
+
+Values are checked when the callback is built (`__init__`), so a bad YAML config fails
+before any training; the memory budget's default depends on the device, so it is
+resolved in `setup`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_ckpt.planning.policies import POLICIES
+from lightning_ckpt.planning.recompute_cost import COST_METRICS
+
+DEFAULT_CUDA_FRACTION = 0.9  # the default budget on CUDA: this share of the device's memory
+
+
+def positive_int(value: Any, name: str, hint: str) -> int:
+    """`value` when it is a positive int (not a bool), else ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer; {hint}")
+    return value
+
+
+def check_target(target_batch_size: Any, batch_multiple: Any) -> None:
+    if target_batch_size != "max":
+        positive_int(target_batch_size, "target_batch_size", "it is the per-device batch size to train at, or 'max'.")
+    positive_int(batch_multiple, "batch_multiple", "the 'max' batch is rounded down to a multiple of it.")
+    if batch_multiple != 1 and target_batch_size != "max":
+        raise ValueError(
+            f"batch_multiple={batch_multiple} only applies to target_batch_size='max', but target_batch_size="
+            f"{target_batch_size!r}; drop batch_multiple or set target_batch_size='max'."
+        )
+
+
+def check_policy(policy: Any, every_k: Any, cost_metric: Any) -> None:
+    if policy not in POLICIES:
+        raise ValueError(f"policy={policy!r} is not a known policy; choose one of {', '.join(POLICIES)}.")
+    if every_k is not None:
+        positive_int(every_k, "every_k", "it is the number of blocks per checkpointed segment.")
+        if policy != "every_k":
+            raise ValueError(
+                f"every_k={every_k} only applies to policy='every_k', but policy={policy!r}; drop every_k or set "
+                "policy='every_k'."
+            )
+    if cost_metric not in COST_METRICS:
+        raise ValueError(
+            f"cost_metric={cost_metric!r} is not known; choose 'flops' (counted FLOPs, deterministic), "
+            "'ms' (forward timed once per block) or 'time' (estimated from FLOPs and bytes at measured rates)."
+        )
+
+
+def check_blocks(blocks: Any) -> str | list[str] | None:
+    """`blocks` as the callback keeps it: a dotted path, a list of paths or patterns, or None."""
+    if isinstance(blocks, (list, tuple)):
+        blocks = list(blocks)
+        if not blocks or not all(isinstance(b, str) and b.strip() for b in blocks):
+            raise ValueError(
+                f"blocks={blocks!r} must list non-empty dotted paths or glob patterns, e.g. ['stem', 'layer1.*']."
+            )
+    elif blocks is not None and (not isinstance(blocks, str) or not blocks.strip()):
+        raise ValueError(f"blocks={blocks!r} must be a dotted path such as 'encoder.layers', or None to auto-detect.")
+    return blocks
+
+
+def check_probes(probe_batch_sizes: Any, check_batch_size: Any) -> tuple[int, int]:
+    """The two probe sizes as a tuple; the check size is a positive int or None."""
+    probes = tuple(probe_batch_sizes)
+    if len(probes) != 2 or len(set(probes)) != 2:
+        raise ValueError(
+            f"probe_batch_sizes={probe_batch_sizes!r} must be two different positive integers, e.g. (1, 2)."
+        )
+    for p in probes:
+        positive_int(p, "probe_batch_sizes", "probes are small slices of a real batch.")
+    if check_batch_size is not None:
+        positive_int(check_batch_size, "check_batch_size", "or None to skip the check of the fitted line.")
+    return probes  # type: ignore[return-value]
+
+
+def resolve_budget(memory_budget: int | None, device: torch.device) -> int:
+    """The budget given, or on CUDA `DEFAULT_CUDA_FRACTION` of the device's memory."""
+    if memory_budget is not None:
+        return memory_budget
+    if device.type == "cuda":
+        return int(DEFAULT_CUDA_FRACTION * torch.cuda.get_device_properties(device).total_memory)
+    raise ValueError(
+        f"memory_budget was not given and the training device is {device.type!r}: only on CUDA can "
+        "lightning-ckpt read the device's memory size. Set memory_budget (bytes or e.g. '8GiB') to the "
+        "per-device peak you allow for the whole training step."
+    )

@@ -1,0 +1,72 @@
+"""Profile Lightning's training step on slices of the first training batch.
+
+The probes run the module's own `training_step` under the precision plugin's step
+context, inside the strategy's profiling context and with `self.log` muted, so they
+see what training sees and leave the run (metrics, gradients, DeepSpeed's state) alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_ckpt.integrations.muted_logging import muted_logging
+from lightning_ckpt.integrations.strategy_hooks import profiling_context
+from lightning_ckpt.planning.linear_fit import Profile
+from lightning_ckpt.profiling.batch import batch_size_of
+from lightning_ckpt.profiling.profiler import profile_model
+
+LINEAR_FIT_TOLERANCE = 0.05  # relative miss at the check size above which the fitted line is reported
+
+
+def probe_sizes(batch: Any, probes: tuple[int, int], check: int | None) -> int | None:
+    """Check the probe sizes against the batch they slice; -> the check size to use (None: skip it)."""
+    n = batch_size_of(batch)
+    if n < 2:
+        raise ValueError(
+            f"the first training batch has {n} sample(s); profiling fits a line through two batch sizes, so it "
+            "needs at least 2. Train with a batch of 2 or more samples."
+        )
+    if max(probes) > n:
+        raise ValueError(
+            f"probe_batch_sizes={probes} but the first training batch has {n} samples; the probes are slices of "
+            f"that batch. Set probe_batch_sizes to two sizes <= {n}, e.g. (1, 2)."
+        )
+    if check is not None and check > n:
+        rank_zero_info(
+            f"lightning-ckpt: check_batch_size={check} is larger than the first training batch ({n} samples), so "
+            f"the fitted line is not checked; set check_batch_size <= {n} to check it, or None to silence this."
+        )
+        return None
+    return check
+
+
+def profile_first_batch(
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    blocks: list[torch.nn.Module],
+    names: list[str],
+    batch: Any,
+    batch_idx: int,
+    probes: tuple[int, int],
+    check: int | None,
+) -> Profile:
+    """Profile the blocks at the probe sizes (and the check size) on slices of `batch`."""
+    check = probe_sizes(batch, probes, check)
+
+    def step_fn(b: Any) -> torch.Tensor:
+        with muted_logging(pl_module), trainer.precision_plugin.train_step_context():
+            return pl_module.training_step(b, batch_idx)
+
+    with profiling_context(trainer):
+        profile = profile_model(pl_module, blocks, step_fn, batch, probes, check, names=names)
+    err = profile.check_error()
+    if err > LINEAR_FIT_TOLERANCE:
+        rank_zero_info(
+            f"lightning-ckpt: bytes predicted from batches {probes} miss the measurement at batch {check} by "
+            f"{100 * err:.1f}%; the model's memory is not linear in the batch size, so the plan may be off."
+        )
+    return profile

@@ -1,0 +1,32 @@
+"""What the training strategy tells the callback: per-device static memory and a profiling context.
+
+A strategy may define `ckpt_static_memory(pl_module, optimizers)` (ZeRO shards the model state) and
+`ckpt_profiling_context()` (DeepSpeed pauses its gradient hooks); without them the callback counts
+what this process holds and, under DDP, profiles inside `no_sync`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import lightning.pytorch as pl
+
+from lightning_ckpt.profiling.static_memory import StaticMemory, static_memory
+
+
+def strategy_static_memory(trainer: pl.Trainer, pl_module: pl.LightningModule) -> StaticMemory:
+    """Per-device static memory: the strategy's own model when it has one, else what this process holds."""
+    own = getattr(trainer.strategy, "ckpt_static_memory", None)
+    if callable(own):
+        return own(pl_module, trainer.optimizers)
+    return static_memory(pl_module, trainer.optimizers)
+
+
+def profiling_context(trainer: pl.Trainer) -> contextlib.AbstractContextManager[Any]:
+    """The strategy's context for profiling steps (DDP: no gradient sync)."""
+    own = getattr(trainer.strategy, "ckpt_profiling_context", None)
+    if callable(own):
+        return own()
+    no_sync = getattr(trainer.model, "no_sync", None)
+    return no_sync() if callable(no_sync) else contextlib.nullcontext()

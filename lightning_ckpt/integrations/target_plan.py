@@ -1,0 +1,78 @@
+"""The callback's plan for its target: a fixed batch size within the budget, or the largest that fits.
+
+Plain functions over the fitted profile and the per-device static memory. When the target
+cannot fit they raise `InfeasibleBudgetError` naming the largest batch that would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_ckpt.planning.capacity import largest_batch
+from lightning_ckpt.planning.costs import StepCost
+from lightning_ckpt.planning.linear_fit import Profile
+from lightning_ckpt.planning.plan import Plan, format_bytes
+from lightning_ckpt.planning.policies import InfeasibleBudgetError, make_plan
+from lightning_ckpt.profiling.static_memory import StaticMemory
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What the user asked of the plan: the per-device budget and how to choose."""
+
+    budget_bytes: int
+    policy: str
+    every_k: int | None
+    cost_metric: str
+
+
+def cost_at(profile: Profile, batch_size: int, static: StaticMemory) -> StepCost:
+    """The whole step's cost at `batch_size`: the fitted activations plus the static memory."""
+    return profile.at(
+        batch_size,
+        static_bytes=static.resident_bytes,
+        optimizer_transient_bytes=static.optimizer_transient_bytes,
+        grads_live_in_forward=True,
+    )
+
+
+def plan_for_target(profile: Profile, static: StaticMemory, request: PlanRequest, target: int) -> tuple[Plan, StepCost]:
+    """The plan at batch `target` and its cost; InfeasibleBudgetError when it does not fit."""
+    cost = cost_at(profile, target, static)
+    try:
+        plan = make_plan(
+            cost, request.policy, request.budget_bytes, every_k=request.every_k, metric=request.cost_metric
+        )
+    except InfeasibleBudgetError:
+        plan = None
+    if plan is not None and plan.fits:
+        return plan, cost
+    largest, _ = largest_batch(
+        lambda b: cost_at(profile, b, static), request.budget_bytes, "optimal", upper=target, metric=request.cost_metric
+    )
+    got = f"needs {format_bytes(plan.predicted_peak_bytes)}" if plan is not None else "cannot fit"
+    hint = (
+        f"the largest batch that fits with the best plan is {largest}"
+        if largest
+        else "not even batch size 1 fits (parameters, gradients and optimizer state take most of it)"
+    )
+    raise InfeasibleBudgetError(
+        f"target_batch_size={target} with policy={request.policy!r} {got}, over the memory_budget of "
+        f"{format_bytes(request.budget_bytes)} even at the plan's best; {hint}. "
+        "Lower target_batch_size or raise memory_budget."
+    )
+
+
+def plan_for_max(profile: Profile, static: StaticMemory, request: PlanRequest, multiple: int) -> tuple[Plan, StepCost]:
+    """The plan at the largest multiple of `multiple` that fits, and its cost."""
+    best, plan = largest_batch(
+        lambda b: cost_at(profile, b, static), request.budget_bytes, request.policy, multiple,
+        every_k=request.every_k, metric=request.cost_metric,
+    )
+    if plan is None:
+        raise InfeasibleBudgetError(
+            f"target_batch_size='max': not even batch size {multiple} fits memory_budget="
+            f"{format_bytes(request.budget_bytes)} with policy={request.policy!r}; raise memory_budget or lower "
+            "batch_multiple."
+        )
+    return plan, cost_at(profile, best, static)

@@ -1,0 +1,68 @@
+"""The callback's plan for a fixed target batch or for the largest batch, from a hand-made profile."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_ckpt.integrations.target_plan import (
+    PlanRequest,
+    cost_at,
+    plan_for_max,
+    plan_for_target,
+)
+from lightning_ckpt.planning.capacity import plan_if_fits
+from lightning_ckpt.planning.costs import BlockCost, StepCost
+from lightning_ckpt.planning.linear_fit import Profile
+from lightning_ckpt.planning.policies import InfeasibleBudgetError, make_plan
+from lightning_ckpt.profiling.static_memory import StaticMemory
+
+STATIC = StaticMemory(param_bytes=600, buffer_bytes=0, grad_bytes=0, optimizer_state_bytes=400, optimizer_transient_bytes=0)
+
+
+def _probe(b: int) -> StepCost:
+    """Four blocks whose bytes grow linearly with the batch."""
+    blocks = tuple(
+        BlockCost(f"b{i}", saved_bytes=100 * b, input_bytes=5 * b, input_saved_bytes=5 * b, output_bytes=5 * b, fwd_flops=10 * b)
+        for i in range(4)
+    )
+    return StepCost(blocks=blocks, batch_size=b)
+
+
+PROFILE = Profile(probes=(_probe(1), _probe(2)))
+
+
+def _request(budget: int) -> PlanRequest:
+    return PlanRequest(budget_bytes=budget, policy="optimal", every_k=None, cost_metric="flops")
+
+
+def test_cost_at_adds_the_static_memory_to_the_fitted_line():
+    cost = cost_at(PROFILE, 8, STATIC)
+    assert cost.batch_size == 8 and cost.static_bytes == STATIC.resident_bytes
+    assert [b.saved_bytes for b in cost.blocks] == [800] * 4
+
+
+def test_target_that_fits_gets_the_policy_plan():
+    cost = cost_at(PROFILE, 8, STATIC)
+    budget = (make_plan(cost, "none").predicted_peak_bytes + make_plan(cost, "full").predicted_peak_bytes) // 2
+    plan, got = plan_for_target(PROFILE, STATIC, _request(budget), 8)
+    assert got == cost and plan == make_plan(cost, "optimal", budget) and plan.fits
+
+
+def test_target_that_cannot_fit_names_the_largest_batch_that_does():
+    full_8 = make_plan(cost_at(PROFILE, 8, STATIC), "full").predicted_peak_bytes
+    with pytest.raises(InfeasibleBudgetError, match=r"target_batch_size=8 .* the largest batch that fits with the best plan is (\d+)\. Lower") as info:
+        plan_for_target(PROFILE, STATIC, _request(full_8 - 1), 8)
+    largest = int(info.value.args[0].split("plan is ")[1].split(".")[0])
+    assert 1 <= largest < 8
+    assert plan_if_fits(cost_at(PROFILE, largest, STATIC), full_8 - 1) is not None
+    with pytest.raises(InfeasibleBudgetError, match="not even batch size 1 fits"):
+        plan_for_target(PROFILE, STATIC, _request(STATIC.resident_bytes), 8)
+
+
+def test_max_is_the_largest_multiple_that_fits():
+    budget = make_plan(cost_at(PROFILE, 40, STATIC), "full").predicted_peak_bytes
+    plan, cost = plan_for_max(PROFILE, STATIC, _request(budget), multiple=4)
+    assert plan.batch_size % 4 == 0 and plan.fits and cost.batch_size == plan.batch_size >= 40
+    assert plan_if_fits(cost_at(PROFILE, plan.batch_size + 4, STATIC), budget) is None
+    with pytest.raises(InfeasibleBudgetError, match=r"target_batch_size='max': not even batch size 4 fits"):
+        plan_for_max(PROFILE, STATIC, _request(STATIC.resident_bytes), multiple=4)
