@@ -61,3 +61,19 @@ def make_trainer(callbacks=(), max_steps: int = 3, **kw) -> pl.Trainer:
         num_sanity_val_steps=0,
         **kw,
     )
+
+
+class LitLazyChain(LitChain):
+    """`LitChain` whose network is built in `configure_model`, as Lightning recommends for sharded
+    training: before that hook (in `setup`) the module has no blocks."""
+
+    def __init__(self, n_blocks: int = 6, d: int = 32, p: float = 0.1, lr: float = 0.05) -> None:
+        super(LitChain, self).__init__()  # LightningModule's: no network here
+        self.save_hyperparameters()
+        self.net: TinyChain | None = None
+        self.losses = []
+
+    def configure_model(self) -> None:
+        if self.net is None:  # Lightning may call it again (e.g. a second fit)
+            h = self.hparams
+            self.net = TinyChain(n_blocks=h.n_blocks, d=h.d, vocab=50, n_classes=3, p=h.p)

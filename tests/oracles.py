@@ -67,7 +67,7 @@ def walk_peak(cost: StepCost, segments: Segments) -> PeakBreakdown:
     prefix = [0] * (n + 1)
     for i in range(n):
         prefix[i + 1] = prefix[i] + res[i] + shift[i]
-    static = cost.static_bytes + cost.pre_saved_bytes
+    static = cost.static_bytes + cost.batch_bytes + cost.pre_saved_bytes
     grads_all = cost.grad_bytes
 
     # forward: every block's resident bytes plus the head, with last step's grads still
@@ -118,7 +118,7 @@ def walk_peak(cost: StepCost, segments: Segments) -> PeakBreakdown:
         i = a - 1
     bwd += static
 
-    opt = cost.static_bytes + grads_all + cost.optimizer_transient_bytes
+    opt = cost.static_bytes + cost.batch_bytes + grads_all + cost.optimizer_transient_bytes
     peak = max(fwd, bwd, opt)
     phase = "forward" if peak == fwd else ("optimizer" if peak == opt else f"backward:{blocks[bwd_at].name}")
     return PeakBreakdown(int(peak), phase, int(fwd), int(bwd), int(opt))
@@ -175,7 +175,7 @@ def _elements(cost: StepCost, a: int, terms, max_len: int, metric: str, room: fl
     yield kept_element(cost, a, terms), 0.0
     head = blocks[a]
     # the smallest base any predecessor allows (a kept one may already hold the boundary)
-    least_base = cost.static_bytes + cost.pre_saved_bytes + head.input_bytes - head.input_saved_bytes
+    least_base = cost.static_bytes + cost.batch_bytes + cost.pre_saved_bytes + head.input_bytes - head.input_saved_bytes
     least_base -= head.input_saved_by_previous_bytes
     saved_sum, run_cost = 0, 0.0
     for el in segment_elements(cost, a, terms):

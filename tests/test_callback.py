@@ -177,6 +177,28 @@ def test_unknown_blocks_path_lists_candidates():
         _fit([cb])
 
 
+def test_network_built_in_configure_model():
+    """Blocks are found after `configure_model`, where Lightning has the network built: the plan is the
+    one of the same network built in `__init__`, with the same losses; a wrong path still names what exists."""
+    from lit_models import LitLazyChain
+
+    _, budget = _peak_between_full_and_none()
+    planned = {}
+    for cls in (LitChain, LitLazyChain):
+        cb = ActivationCheckpointing(target_batch_size=8, memory_budget=budget, blocks="net.blocks", verbose=False,
+                                     report=False, cost_metric="flops")
+        model, _, _ = _fit([cb], model=cls())
+        planned[cls.__name__] = (cb.plan.segments, cb.block_names)
+    assert planned["LitLazyChain"] == planned["LitChain"]
+    assert planned["LitChain"][0] and planned["LitChain"][1][0] == "net.blocks.0"
+    plain, _, _ = _fit([], model=LitLazyChain())  # seeded as above before `configure_model` builds the net
+    assert [float(x) for x in model.losses] == [float(x) for x in plain.losses]
+
+    cb = ActivationCheckpointing(target_batch_size=8, memory_budget="1GiB", blocks="model.layers", verbose=False)
+    with pytest.raises(ValueError, match=r"blocks='model.layers' is not a submodule .* 'net.blocks' \(6 blocks\)"):
+        _fit([cb], model=LitLazyChain())
+
+
 def test_model_without_repeated_blocks():
     class Flat(LitChain):
         def __init__(self):

@@ -332,3 +332,29 @@ def test_planner_entry_points_use_the_fast_solver():
     assert plan.recompute_flops == 143 * 100
     with pytest.raises(InfeasibleBudgetError):
         optimal_segments(cost, 10 * 2**20)  # below even one block's rebuilt interior
+
+
+
+@pytest.mark.parametrize("cheap", [0, 1])
+def test_time_metric_recomputes_the_block_whose_gather_is_cheap(cheap):
+    """Blocks 0 and 1 free the same bytes at the same FLOPs (checkpointing either peaks at 201
+    bytes, nothing at 300), but one's recompute all-gathers 4 MB of parameters again (ZeRO-3)
+    and the other's 1 MB: within 250 bytes `optimal` in `time` recomputes the cheap gather,
+    whichever of the two it is; without a gather rate they cost the same."""
+    gathers = [4 * 10**6, 4 * 10**6, 0]
+    gathers[cheap] = 10**6
+    blocks = tuple(
+        BlockCost(f"b{i}", saved_bytes=100, input_bytes=1, fwd_flops=1000, gather_bytes=g) for i, g in enumerate(gathers)
+    )
+    rates = dataclasses.replace(NS_RATES, gather_byte_per_s=1e9)
+    cost = StepCost(blocks=blocks, batch_size=1, meta={"rates": rates.to_dict()})
+    assert predict_peak(cost, [(0, 0)]).peak_bytes == predict_peak(cost, [(1, 1)]).peak_bytes == 201
+    assert predict_peak(cost, []).peak_bytes == 300
+    for beam in BEAMS:
+        sol = solve_chain(cost, 250, metric="time", beam=beam)
+        assert sol.segments == [(cheap, cheap)] and sol.cost == pytest.approx(1e-3 + 1.0)  # 1 us FLOPs + 1 ms gather
+    plan = make_plan(cost, "optimal", 250, metric="time")
+    assert plan.segments == ((cheap, cheap),)
+    assert "1.00 GB/s all-gather" in str(plan) and "parameters all-gathered again" in str(plan)
+    plain = StepCost(blocks=blocks, batch_size=1, meta={"rates": NS_RATES.to_dict()})
+    assert solve_chain(plain, 250, metric="time").cost == pytest.approx(1e-3)

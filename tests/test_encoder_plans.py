@@ -61,7 +61,7 @@ def test_fixed_policies_predicted_within_2_percent(encoder_setup, policy, k):
     assert abs(plan.predicted_peak_bytes - measured) / measured < 0.02, (plan.predicted_peak_bytes, measured)
 
 
-def test_optimal_within_10_percent_and_under_budget(encoder_setup):
+def test_optimal_within_3_percent_and_under_budget(encoder_setup):
     model, opt, batch, loss_fn, _, cost = encoder_setup
     none = make_plan(cost, "none").predicted_peak_bytes
     full = make_plan(cost, "full").predicted_peak_bytes
@@ -69,7 +69,7 @@ def test_optimal_within_10_percent_and_under_budget(encoder_setup):
     plan = make_plan(cost, "optimal", budget)
     assert 0 < len(plan.checkpointed) < 48
     measured = _measure(model, opt, batch, loss_fn, plan.segments)
-    assert abs(plan.predicted_peak_bytes - measured) / measured < 0.10, (plan.predicted_peak_bytes, measured)
+    assert abs(plan.predicted_peak_bytes - measured) / measured < 0.03, (plan.predicted_peak_bytes, measured)
     assert measured <= budget
     # optimal recomputes no more than any fitting baseline at this budget
     for policy, k in (("full", None), ("sqrt", None), ("every_k", 2), ("every_k", 4), ("greedy", None)):

@@ -1,4 +1,4 @@
-"""The measured peak of one step: when it is taken, and what the CPU tracker counts."""
+"""The measured peak of one step: when it is taken, what the CPU tracker and RSS count, how it is reported."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_ckpt.integrations.measured_peak import should_measure, step_peak
+from lightning_ckpt.integrations.measured_peak import fit_memory, should_measure, step_peak, summary
+from lightning_ckpt.profiling import allocator
 
 
 def _trainer(device="cpu", optimizers=()):
@@ -44,3 +45,65 @@ def test_measured_only_when_asked_and_steady(measure_peak, device, has_state, ex
         opt.step()
     assert should_measure(_trainer(device, [opt]), measure_peak) is expected
     assert should_measure(_trainer(device, []), True) is True  # no optimizer: every step is steady
+
+
+def test_cpu_reading_has_an_rss_figure_above_the_fit_start_baseline():
+    """The RSS peak above the baseline is present and sane: it covers a touched 32 MiB tensor
+    that lived inside the step, and is not far above what the tracker counted."""
+    from lightning_ckpt.profiling.rss import current_rss_bytes
+
+    if current_rss_bytes() is None:
+        pytest.skip("needs /proc (Linux)")
+    model = torch.nn.Linear(64, 64)
+    fit = fit_memory(_trainer(), tune_allocator=False)
+    assert fit.allocator.action == "off" and fit.rss_start_bytes > 0
+    with step_peak(_trainer(), model, None, fit) as reading:
+        t = torch.ones(8 * 2**20)  # 32 MiB
+        del t
+    assert reading.peak_bytes >= 32 * 2**20
+    assert 30 * 2**20 <= reading.rss_peak_bytes <= reading.peak_bytes + 64 * 2**20
+    assert reading.reserved_peak_bytes is None
+    line = summary(reading, SimpleNamespace(predicted_peak_bytes=40 * 2**20, budget_bytes=50 * 2**20))
+    assert "tracked tensors" in line and "process RSS above fit start" in line and "predicted 40.0 MiB" in line
+
+
+def test_the_batch_counts_in_the_measured_peak():
+    model = torch.nn.Linear(4, 4)
+    batch = (torch.zeros(1024, 256), torch.zeros(1024, dtype=torch.long))  # 1 MiB + 8 KiB
+    with step_peak(_trainer(), model, batch) as reading:
+        pass
+    state = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert reading.peak_bytes == state + 1024 * 256 * 4 + 1024 * 8
+
+
+def test_fit_reports_tracked_and_rss_peaks_next_to_the_prediction(tmp_path, caplog):
+    import json
+    import logging
+
+    from lit_models import LitChain, TokenData, make_trainer
+
+    from lightning_ckpt import ActivationCheckpointing
+
+    cb = ActivationCheckpointing(target_batch_size=8, memory_budget="64MiB", policy="full", measure_peak=True, verbose=False)
+    with caplog.at_level(logging.INFO):
+        make_trainer([cb], max_steps=2, default_root_dir=str(tmp_path)).fit(LitChain(), datamodule=TokenData(batch_size=8))
+    measured = json.loads((tmp_path / "lightning_ckpt_plan.json").read_text())["measured"]
+    assert measured["predicted_peak_bytes"] == cb.plan.predicted_peak_bytes
+    assert measured["tracked_peak_bytes"] == cb.measured_peak_bytes
+    if measured["rss_peak_above_start_bytes"] is not None:  # Linux
+        assert 0 < measured["rss_peak_above_start_bytes"] < 2**30
+        assert "process RSS above fit start" in caplog.text
+    assert "first planned step: predicted" in caplog.text
+    if allocator.is_glibc() and not allocator.loaded_allocator():
+        assert "glibc malloc set for this fit" in caplog.text
+    assert cb._fit_memory is None  # put back at the end of fit
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_reading_has_max_allocated_and_max_reserved():
+    model = torch.nn.Linear(64, 64).cuda()
+    with step_peak(_trainer("cuda"), model) as reading:
+        t = torch.ones(8 * 2**20, device="cuda")  # 32 MiB
+        del t
+    assert reading.peak_bytes >= 32 * 2**20 and reading.reserved_peak_bytes >= reading.peak_bytes
+    assert reading.rss_peak_bytes is None

@@ -199,6 +199,7 @@ def costs_and_plans(draw, max_blocks: int = 8):
         static_bytes=draw(st.integers(0, 200)),
         outside_grad_bytes=draw(st.integers(0, 40)),
         pre_saved_bytes=draw(st.integers(0, 40)),
+        batch_bytes=draw(st.integers(0, 30)),
         post_saved_bytes=draw(st.integers(0, 120)),
         post_forward_bytes=draw(st.none() | st.integers(0, 120)),
         grads_live_in_forward=draw(st.booleans()),

@@ -14,7 +14,7 @@ import torch
 from lightning_ckpt.planning.policies import POLICIES
 from lightning_ckpt.planning.recompute_cost import COST_METRICS
 
-DEFAULT_CUDA_FRACTION = 0.9  # the default budget on CUDA: this share of the device's memory
+DEFAULT_CUDA_FRACTION = 0.9  # the default budget on CUDA: this share of the memory free at fit start
 
 
 def positive_int(value: Any, name: str, hint: str) -> int:
@@ -80,13 +80,21 @@ def check_probes(probe_batch_sizes: Any, check_batch_size: Any) -> tuple[int, in
 
 
 def resolve_budget(memory_budget: int | None, device: torch.device) -> int:
-    """The budget given, or on CUDA `DEFAULT_CUDA_FRACTION` of the device's memory."""
+    """The budget given, or on CUDA `DEFAULT_CUDA_FRACTION` of the memory free at fit start."""
     if memory_budget is not None:
         return memory_budget
     if device.type == "cuda":
-        return int(DEFAULT_CUDA_FRACTION * torch.cuda.get_device_properties(device).total_memory)
+        return cuda_default_budget(device)
     raise ValueError(
         f"memory_budget was not given and the training device is {device.type!r}: only on CUDA can "
         "lightning-ckpt read the device's memory size. Set memory_budget (bytes or e.g. '8GiB') to the "
         "per-device peak you allow for the whole training step."
     )
+
+
+def cuda_default_budget(device: torch.device) -> int:
+    """`DEFAULT_CUDA_FRACTION` of what this process can use on `device` now: the driver's free
+    memory plus what torch's caching allocator already holds here (reusable by the step), not
+    the card's total, which other processes and the CUDA context also take from."""
+    free_bytes, _ = torch.cuda.mem_get_info(device)
+    return int(DEFAULT_CUDA_FRACTION * (free_bytes + torch.cuda.memory_reserved(device)))

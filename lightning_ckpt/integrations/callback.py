@@ -19,8 +19,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_ckpt.apply import AppliedPlan, apply_segments
-from lightning_ckpt.integrations import arguments, measured_peak, resume, target_plan
+from lightning_ckpt.apply import AppliedPlan
+from lightning_ckpt.integrations import arguments, compiled, measured_peak, resume, target_plan
 from lightning_ckpt.integrations import loader_batch_size as loader
 from lightning_ckpt.integrations.loggers import log_metrics, write_plan_report
 from lightning_ckpt.integrations.profile_step import profile_first_batch
@@ -28,7 +28,7 @@ from lightning_ckpt.integrations.rank_zero import plan_on_rank_zero
 from lightning_ckpt.integrations.strategy_hooks import strategy_static_memory
 from lightning_ckpt.planning.costs import StepCost
 from lightning_ckpt.planning.linear_fit import Profile
-from lightning_ckpt.planning.plan import Plan, format_bytes
+from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.planning.policies import POLICIES
 from lightning_ckpt.profiling.blocks import resolve_blocks
 from lightning_ckpt.profiling.static_memory import StaticMemory
@@ -48,7 +48,7 @@ class ActivationCheckpointing(Callback):
             or ``"max"``: the largest batch whose best plan fits, found from the profile.
         memory_budget: per-device peak allowed for the whole step (parameters, gradients,
             optimizer state, activations), bytes or a string like ``"6GiB"``. Default on
-            CUDA: 90% of the device's memory; on CPU it must be given.
+            CUDA: 90% of the device's memory free at fit start; on CPU it must be given.
         blocks: dotted path to the ordered container of blocks (``"encoder.layers"``); a list of
             dotted paths / glob patterns naming a chain of modules in call order
             (``["stem", "layer1.*", "layer2.*"]``); or None to pick the largest container of
@@ -75,6 +75,8 @@ class ActivationCheckpointing(Callback):
         report: write the plan and profile as JSON and the trade-off plot as PNG to the logger's
             directory (without a logger: the Trainer's ``default_root_dir``).
         plan_only: stop after planning (raises `PlanOnly`), used by ``python -m lightning_ckpt plan``.
+        tune_allocator: for the fit, make the memory the OS or GPU sees follow the tensors (glibc
+            malloc thresholds on CPU, ``expandable_segments`` on CUDA; see docs/memory.md).
     """
 
     POLICIES = POLICIES
@@ -97,6 +99,7 @@ class ActivationCheckpointing(Callback):
         measure_peak: bool | None = None,
         report: bool = True,
         plan_only: bool = False,
+        tune_allocator: bool = True,
     ) -> None:
         super().__init__()
         arguments.check_target(target_batch_size, batch_multiple)
@@ -109,6 +112,7 @@ class ActivationCheckpointing(Callback):
         self.batch_arg_name, self.check_batch_size = batch_arg_name, check_batch_size
         self.guard_batchnorm, self.verbose, self.strict_resume = guard_batchnorm, verbose, strict_resume
         self.measure_peak, self.report, self.plan_only = measure_peak, report, plan_only
+        self.tune_allocator, self._fit_memory = tune_allocator, None
 
         self.plan: Plan | None = None
         self.profile: Profile | None = None
@@ -129,11 +133,13 @@ class ActivationCheckpointing(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
-            _, self.block_names, self._blocks = resolve_blocks(pl_module, self.blocks)
             self._budget_bytes = arguments.resolve_budget(self.memory_budget, trainer.strategy.root_device)
+            self._fit_memory = measured_peak.fit_memory(trainer, self.tune_allocator)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # after `configure_model` (and the strategy's wrapping): a model built there exists only now
+        _, self.block_names, self._blocks = resolve_blocks(pl_module, self.blocks)
         if self.target_batch_size == "max":  # profile one batch of the current loader, plan the largest
             self._plan_everywhere(trainer, lambda: self._profile_and_plan(trainer, pl_module, None, 0, find_max=True))
             self.batch_size = self.plan.batch_size
@@ -144,13 +150,13 @@ class ActivationCheckpointing(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._applied is not None:
-            self._start_measuring(trainer, pl_module)
+            self._start_measuring(trainer, pl_module, batch)
             return
         loader.check_first_batch(batch, self.batch_size, self.batch_arg_name)
         if self.plan is None:
             self._plan_everywhere(trainer, lambda: self._profile_and_plan(trainer, pl_module, batch, batch_idx))
         plan = self.plan
-        self._applied = apply_segments(self._blocks, plan.segments, guard_batchnorm=self.guard_batchnorm)
+        self._applied = compiled.apply_plan(pl_module, self._blocks, self.block_names, plan, self.guard_batchnorm)
         if self.verbose or not plan.segments:
             rank_zero_info(plan_summary(plan))
         log_metrics(trainer, plan_metrics(plan))
@@ -158,7 +164,7 @@ class ActivationCheckpointing(Callback):
             self.report_paths = write_plan_report(trainer, plan, self.profile, self.cost, self.cost_metric)
         if self.plan_only:
             raise PlanOnly(str(plan))
-        self._start_measuring(trainer, pl_module)
+        self._start_measuring(trainer, pl_module, batch)
 
     @override
     def on_train_batch_end(
@@ -168,14 +174,15 @@ class ActivationCheckpointing(Callback):
             return
         self._measuring.close()
         self.measured_peak_bytes = self._peak.peak_bytes
-        log_metrics(trainer, {"ckpt/measured_peak_bytes": float(self.measured_peak_bytes)})
-        measured, predicted = format_bytes(self.measured_peak_bytes), format_bytes(self.plan.predicted_peak_bytes)
-        rank_zero_info(f"lightning-ckpt: measured peak of the first planned step {measured}, predicted {predicted}")
+        measured_peak.report(trainer, self._peak, self.plan, self.report_paths)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._measuring.close()  # a step cut short is not measured
         self._peak = None
+        if self._fit_memory is not None and stage == "fit":
+            self._fit_memory.restore()  # the allocator as it was before this fit
+            self._fit_memory = None
         if self._applied is not None:
             self._applied.remove()
             self._applied = None
@@ -193,12 +200,13 @@ class ActivationCheckpointing(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._loaded = dict(state_dict)
 
-    def _start_measuring(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _start_measuring(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         """Measure the first steady step (optimizer state exists, as the plan assumes), once."""
         if self._peak is not None or self.measured_peak_bytes is not None:
             return
         if measured_peak.should_measure(trainer, self.measure_peak):
-            self._peak = self._measuring.enter_context(measured_peak.step_peak(trainer, pl_module))
+            reading = measured_peak.step_peak(trainer, pl_module, batch, self._fit_memory)
+            self._peak = self._measuring.enter_context(reading)
 
     def _plan_everywhere(self, trainer: pl.Trainer, plan_fn: Callable[[], Plan | None]) -> None:
         """The checkpoint's plan when it still fits the run, else `plan_fn()`; rank 0's on every rank."""

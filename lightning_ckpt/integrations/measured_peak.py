@@ -1,28 +1,80 @@
-"""The measured peak of one training step, read between Lightning's batch-start and batch-end hooks.
+"""The memory of a fit as the OS or the GPU sees it: the allocator setting, and the measured peak
+of one training step, read between Lightning's batch-start and batch-end hooks.
 
-`step_peak` is a context manager: entered when a step starts, closed when it ends, the
-`PeakReading` it yields then holds the step's peak. On CUDA the allocator's counter is
-read; on CPU a `LiveBytesTracker` counts every tensor, starting from the model state.
+`fit_memory` sets the allocator at fit start and takes the RSS baseline; `step_peak` is a context
+manager whose `PeakReading` holds, once closed, the tracked peak and the RSS peak above that
+baseline (CPU) or `max_memory_allocated` and `max_memory_reserved` (CUDA); `report` logs them.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import json
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_ckpt.integrations.loggers import log_metrics
+from lightning_ckpt.planning.plan import Plan, format_bytes
+from lightning_ckpt.profiling.allocator import AllocatorSetting, follow_tensors
+from lightning_ckpt.profiling.batch import tensors_in
+from lightning_ckpt.profiling.rss import RssPeak, current_anon_bytes, current_rss_bytes
 from lightning_ckpt.profiling.step_peak import state_tensors
 from lightning_ckpt.profiling.tracker import LiveBytesTracker
+from lightning_ckpt.report import REPORT_JSON
+
+
+@dataclass(frozen=True)
+class FitMemory:
+    """What `fit_memory` did at fit start: the allocator setting and the RSS then (CPU, Linux)."""
+
+    allocator: AllocatorSetting
+    rss_start_bytes: int | None
+    anon_start_bytes: int | None = None
+
+    def restore(self) -> None:
+        self.allocator.restore()
+
+
+def fit_memory(trainer: pl.Trainer, tune_allocator: bool) -> FitMemory:
+    """Set the allocator of the training device (one info line says what), then read the RSS baseline."""
+    device = trainer.strategy.root_device
+    setting = follow_tensors(device.type, tune_allocator)
+    if setting.message:
+        rank_zero_info(setting.message)
+    if device.type != "cpu":
+        return FitMemory(setting, None)
+    return FitMemory(setting, current_rss_bytes(), current_anon_bytes())
 
 
 @dataclass
 class PeakReading:
-    """Filled when the measuring context closes."""
+    """Filled when the measuring context closes.
+
+    peak_bytes: tracked live bytes (CPU) or `max_memory_allocated` (CUDA), the whole step.
+    rss_peak_bytes: CPU: the process's RSS peak in the step minus its RSS at fit start.
+    rss_anon_peak_bytes: the same for anonymous memory (heap and tensors; library code that
+        first calls page in left out).
+    reserved_peak_bytes: CUDA: `max_memory_reserved`, what the caching allocator held.
+    """
 
     peak_bytes: int | None = None
+    rss_peak_bytes: int | None = None
+    rss_anon_peak_bytes: int | None = None
+    reserved_peak_bytes: int | None = None
+
+    def to_dict(self) -> dict[str, int | None]:
+        return {
+            "tracked_peak_bytes": self.peak_bytes,
+            "rss_peak_above_start_bytes": self.rss_peak_bytes,
+            "rss_anon_peak_above_start_bytes": self.rss_anon_peak_bytes,
+            "reserved_peak_bytes": self.reserved_peak_bytes,
+        }
 
 
 def should_measure(trainer: pl.Trainer, measure_peak: bool | None) -> bool:
@@ -33,22 +85,66 @@ def should_measure(trainer: pl.Trainer, measure_peak: bool | None) -> bool:
 
 
 @contextlib.contextmanager
-def step_peak(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Iterator[PeakReading]:
+def step_peak(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any = None, fit: FitMemory | None = None
+) -> Iterator[PeakReading]:
     """Measure the peak bytes of what runs inside: parameters, buffers, gradients, optimizer
-    state and everything the step allocates."""
+    state, the batch and everything the step allocates; on CPU also the process's RSS above
+    `fit.rss_start_bytes` (without `fit`, above its value on entry)."""
     reading = PeakReading()
     device = trainer.strategy.root_device
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         yield reading
+        torch.cuda.synchronize(device)
         reading.peak_bytes = int(torch.cuda.max_memory_allocated(device))
+        reading.reserved_peak_bytes = int(torch.cuda.max_memory_reserved(device))
         return
     optimizer_state = [
         t for o in trainer.optimizers for s in o.state.values() for t in s.values() if isinstance(t, torch.Tensor)
     ]
-    with LiveBytesTracker() as tracker:
-        tracker.adopt(state_tensors(pl_module, None) + optimizer_state)
+    rss_start = current_rss_bytes() if fit is None else fit.rss_start_bytes
+    anon_start = current_anon_bytes() if fit is None else fit.anon_start_bytes
+    with RssPeak() as rss, LiveBytesTracker() as tracker:
+        tracker.adopt(state_tensors(pl_module, None) + optimizer_state + list(tensors_in(batch)))
         tracker.reset_peak()
         yield reading
     reading.peak_bytes = tracker.peak_bytes
+    if rss.peak_bytes is not None and rss_start is not None:
+        reading.rss_peak_bytes = rss.peak_bytes - rss_start
+    if rss.anon_peak_bytes is not None and anon_start is not None:
+        reading.rss_anon_peak_bytes = rss.anon_peak_bytes - anon_start
+
+
+def summary(reading: PeakReading, plan: Plan) -> str:
+    """One line: the prediction, the budget and each measured figure."""
+    budget = format_bytes(plan.budget_bytes) if plan.budget_bytes is not None else "none"
+    parts = [f"predicted {format_bytes(plan.predicted_peak_bytes)} (budget {budget})"]
+    if reading.reserved_peak_bytes is not None:
+        parts += [f"max allocated {format_bytes(reading.peak_bytes)}", f"max reserved {format_bytes(reading.reserved_peak_bytes)}"]
+    else:
+        parts.append(f"tracked tensors {format_bytes(reading.peak_bytes)}")
+        if reading.rss_peak_bytes is not None:
+            parts.append(f"process RSS above fit start {format_bytes(reading.rss_peak_bytes)}")
+        if reading.rss_anon_peak_bytes is not None:
+            parts.append(f"of it anonymous (heap, tensors) {format_bytes(reading.rss_anon_peak_bytes)}")
+    return "lightning-ckpt: first planned step: " + ", ".join(parts)
+
+
+def report(trainer: pl.Trainer, reading: PeakReading, plan: Plan, report_paths: Sequence[Path]) -> None:
+    """Log the measured figures as `ckpt/*` metrics, print them next to the prediction and add them
+    to the JSON report (its ``"measured"`` entry) when one was written."""
+    metrics = {
+        "ckpt/measured_peak_bytes": reading.peak_bytes,
+        "ckpt/measured_rss_peak_bytes": reading.rss_peak_bytes,
+        "ckpt/measured_rss_anon_peak_bytes": reading.rss_anon_peak_bytes,
+        "ckpt/measured_reserved_peak_bytes": reading.reserved_peak_bytes,
+    }
+    log_metrics(trainer, {k: float(v) for k, v in metrics.items() if v is not None})
+    rank_zero_info(summary(reading, plan))
+    for path in report_paths:
+        if Path(path).name == REPORT_JSON:
+            data = json.loads(Path(path).read_text())
+            data["measured"] = {"predicted_peak_bytes": plan.predicted_peak_bytes, **reading.to_dict()}
+            Path(path).write_text(json.dumps(data, indent=2))

@@ -3,6 +3,7 @@
 The probes run the module's own `training_step` under the precision plugin's step
 context, inside the strategy's profiling context and with `self.log` muted, so they
 see what training sees and leave the run (metrics, gradients, DeepSpeed's state) alone.
+Under sharded training every rank also measures the all-gather rate (`profiling.gather`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_ckpt.integrations.compiled import compiled_by, eager_only, one_block_profile
 from lightning_ckpt.integrations.muted_logging import muted_logging
 from lightning_ckpt.integrations.strategy_hooks import profiling_context
 from lightning_ckpt.planning.linear_fit import Profile
 from lightning_ckpt.profiling.batch import batch_size_of
+from lightning_ckpt.profiling.gather import with_recompute_gather
 from lightning_ckpt.profiling.profiler import profile_model
 
 LINEAR_FIT_TOLERANCE = 0.05  # relative miss at the check size above which the fitted line is reported
@@ -61,8 +64,10 @@ def profile_first_batch(
         with muted_logging(pl_module), trainer.precision_plugin.train_step_context():
             return pl_module.training_step(b, batch_idx)
 
-    with profiling_context(trainer):
+    with profiling_context(trainer), eager_only():  # a compiled model is profiled as its original code
         profile = profile_model(pl_module, blocks, step_fn, batch, probes, check, names=names)
+    profile = one_block_profile(profile, compiled_by(pl_module, blocks))  # compiled: one block per region
+    profile = with_recompute_gather(profile, blocks)  # sharded blocks: what their recompute gathers, and how fast
     err = profile.check_error()
     if err > LINEAR_FIT_TOLERANCE:
         rank_zero_info(

@@ -1,8 +1,8 @@
 """What the training strategy tells the callback: per-device static memory and a profiling context.
 
 A strategy may define `ckpt_static_memory(pl_module, optimizers)` (ZeRO shards the model state) and
-`ckpt_profiling_context()` (DeepSpeed pauses its gradient hooks); without them the callback counts
-what this process holds and, under DDP, profiles inside `no_sync`.
+`ckpt_profiling_context()` (DeepSpeed pauses its gradient hooks); else FSDP2's model for `fully_shard`-ed
+modules or what this process holds, and under DDP profiling inside `no_sync`.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from lightning_ckpt.profiling.fsdp_memory import model_fsdp_memory
 from lightning_ckpt.profiling.static_memory import StaticMemory, static_memory
 
 
@@ -20,6 +21,9 @@ def strategy_static_memory(trainer: pl.Trainer, pl_module: pl.LightningModule) -
     own = getattr(trainer.strategy, "ckpt_static_memory", None)
     if callable(own):
         return own(pl_module, trainer.optimizers)
+    fsdp = model_fsdp_memory(pl_module)  # FSDP2 (`fully_shard`, e.g. under ModelParallelStrategy)
+    if fsdp is not None:
+        return fsdp.to_static_memory()
     return static_memory(pl_module, trainer.optimizers)
 
 

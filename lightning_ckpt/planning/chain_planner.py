@@ -69,7 +69,8 @@ states. Chains whose blocks differ slightly in both bytes and recompute (measure
 `ms` costs, jittered profiles) behave like strongly correlated knapsacks: the exact
 frontier grows roughly quadratically with n (timings: benchmarks/chain_planner.py).
 Bytes are int64; recompute in `flops` is int64 (float64 only if the sum of all
-block FLOPs exceeds 2**62); in `time` each block's estimate is rounded to whole
+block FLOPs exceeds 2**62); in `time` each block's estimate (its all-gather under
+sharding included, `recompute_cost.block_recompute`) is rounded to whole
 nanoseconds and summed as int64. In `ms` costs are float64 prefix sums, so two
 plans whose costs differ only by rounding may be ordered either way. The oracles
 this solver is tested against (a forward DP, brute force) are in tests/oracles.py.

@@ -56,6 +56,9 @@ class BlockCost:
     fwd_ms: measured forward wall time, milliseconds.
     chains_from_previous: the block's first input is the previous block's output, or an alias of
         it (`chaining.receives_output`); needed to run several blocks in one checkpointed segment.
+    gather_bytes: parameter bytes the block's recompute all-gathers beyond a step without
+        checkpointing (ZeRO-3 fetches its partitioned parameters again; `profiling.gather`).
+        The same at every batch size; 0 when the block is not sharded.
     """
 
     name: str
@@ -78,6 +81,7 @@ class BlockCost:
     tail_rng_bytes: int = 0
     fwd_ms: float = 0.0
     chains_from_previous: bool = True
+    gather_bytes: int = 0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -123,6 +127,8 @@ class StepCost:
     static_bytes: parameters, buffers and optimizer state, resident all step.
     outside_grad_bytes: gradients of trainable parameters outside the blocks.
     pre_saved_bytes: activations saved before the first block (embedding, ...).
+    batch_bytes: the batch itself (inputs and targets on the device): alive all step,
+        and not counted in any block's saved or boundary bytes.
     post_saved_bytes: activations saved after the last block (pooling, head, loss),
         plus the transient peak there, up to the first block gradient (so it
         includes the head's backward and the gradient of the last block's output).
@@ -140,6 +146,7 @@ class StepCost:
     static_bytes: int = 0
     outside_grad_bytes: int = 0
     pre_saved_bytes: int = 0
+    batch_bytes: int = 0
     post_saved_bytes: int = 0
     post_forward_bytes: int | None = None
     grads_live_in_forward: bool = True
@@ -166,6 +173,7 @@ class StepCost:
             "static_bytes": self.static_bytes,
             "outside_grad_bytes": self.outside_grad_bytes,
             "pre_saved_bytes": self.pre_saved_bytes,
+            "batch_bytes": self.batch_bytes,
             "post_saved_bytes": self.post_saved_bytes,
             "post_forward_bytes": self.post_forward_bytes,
             "grads_live_in_forward": self.grads_live_in_forward,

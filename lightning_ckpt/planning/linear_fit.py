@@ -33,7 +33,7 @@ _BLOCK_LINEAR = (
 )
 # each tail is part of its forward: (tail, whole)
 _TAILS = (("tail_flops", "fwd_flops"), ("tail_mem_bytes", "fwd_mem_bytes"), ("tail_rng_bytes", "fwd_rng_bytes"))
-_STEP_LINEAR = ("pre_saved_bytes", "post_saved_bytes")
+_STEP_LINEAR = ("pre_saved_bytes", "batch_bytes", "post_saved_bytes")
 
 
 def _line(x1: float, y1: float, x2: float, y2: float, x: float) -> float:

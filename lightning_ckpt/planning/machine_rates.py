@@ -23,9 +23,13 @@ class MachineRates:
         recompute); 0 when not measured. It keeps a segment whose recompute is free
         (a block whose only op runs after its last saved tensor) from looking free.
     device, flop_dtype, mem_dtype: where and in what they were measured.
+    gather_byte_per_s: bytes per second that `all_gather_into_tensor` delivers (its output)
+        on the process group of sharded training (`profiling.gather`); None when the blocks
+        are not sharded over more than one rank, and then a block's `gather_bytes` cost nothing.
 
-    `fwd_ms` turns a block's counted work into estimated milliseconds: the
-    `cost_metric="time"` of the planner.
+    `fwd_ms` turns a block's counted work into estimated milliseconds, `gather_ms` the
+    parameter bytes its recompute all-gathers again: together the `cost_metric="time"`
+    of the planner.
     """
 
     flop_per_s: float
@@ -35,6 +39,7 @@ class MachineRates:
     device: str = "cpu"
     flop_dtype: str = "torch.float32"
     mem_dtype: str = "torch.float32"
+    gather_byte_per_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("flop_per_s", "mem_byte_per_s", "rng_byte_per_s"):
@@ -49,10 +54,22 @@ class MachineRates:
                 f"MachineRates: segment_s={self.segment_s!r} must be a finite number of seconds >= 0 "
                 "(the fixed cost of one checkpointed segment); use 0 to leave it out."
             )
+        rate = self.gather_byte_per_s
+        if rate is not None and not (isinstance(rate, (int, float)) and 0 < rate < float("inf")):
+            raise ValueError(
+                f"MachineRates: gather_byte_per_s={rate!r} must be a positive finite rate, or None when "
+                "the blocks are not sharded; measure it with lightning_ckpt.profiling.gather.measure_gather_rate()."
+            )
 
     def fwd_ms(self, flops: float, mem_bytes: float, rng_bytes: float) -> float:
         """Estimated milliseconds of work: each kind at its own rate, added."""
         return 1e3 * (flops / self.flop_per_s + mem_bytes / self.mem_byte_per_s + rng_bytes / self.rng_byte_per_s)
+
+    def gather_ms(self, gather_bytes: float) -> float:
+        """Estimated milliseconds to all-gather `gather_bytes` again; 0 without a measured rate."""
+        if not gather_bytes or self.gather_byte_per_s is None:
+            return 0.0
+        return 1e3 * gather_bytes / self.gather_byte_per_s
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -62,8 +79,9 @@ class MachineRates:
         return cls(**data)
 
     def __str__(self) -> str:
+        gather = "" if self.gather_byte_per_s is None else f", {self.gather_byte_per_s / 1e9:.2f} GB/s all-gather"
         return (
             f"{self.flop_per_s / 1e9:.1f} GFLOP/s ({self.flop_dtype.removeprefix('torch.')}), "
             f"{self.mem_byte_per_s / 1e9:.2f} GB/s memory-bound, {self.rng_byte_per_s / 1e9:.2f} GB/s random "
-            f"({self.mem_dtype.removeprefix('torch.')}), {1e6 * self.segment_s:.0f} us per segment on {self.device}"
+            f"({self.mem_dtype.removeprefix('torch.')}){gather}, {1e6 * self.segment_s:.0f} us per segment on {self.device}"
         )

@@ -63,9 +63,9 @@ def segment_of(n_blocks: int, segments: Segments) -> list[int]:
 
 
 def base_bytes(cost: StepCost) -> int:
-    """Resident under every element: parameters, buffers, optimizer state and the
-    activations saved before the first block."""
-    return cost.static_bytes + cost.pre_saved_bytes
+    """Resident under every element: parameters, buffers, optimizer state, the batch and
+    the activations saved before the first block."""
+    return cost.static_bytes + cost.batch_bytes + cost.pre_saved_bytes
 
 
 def forward_grad_bytes(cost: StepCost) -> int:
@@ -116,8 +116,9 @@ def end_relief(cost: StepCost, last_kept: bool) -> int:
 
 
 def optimizer_need(cost: StepCost) -> int:
-    """The optimizer step: parameters and state, all gradients, the optimizer's scratch."""
-    return cost.static_bytes + cost.grad_bytes + cost.optimizer_transient_bytes
+    """The optimizer step: parameters and state, all gradients, the optimizer's scratch (and the
+    batch, which the training loop holds until the step ends)."""
+    return cost.static_bytes + cost.batch_bytes + cost.grad_bytes + cost.optimizer_transient_bytes
 
 
 # ----------------------------------------------------------------------------- elements (scalar form)

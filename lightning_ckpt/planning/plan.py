@@ -116,14 +116,15 @@ class Plan:
             f"({self.recompute_ms:.1f} ms measured forward time)"
         )
         if estimated:
-            rates = ""
+            rates, work = "", "FLOPs, memory-bound bytes and random bytes"
             if self.rates is not None:
                 from lightning_ckpt.planning.machine_rates import MachineRates
 
-                rates = f" at {MachineRates.from_dict(self.rates)}"
-            lines.append(
-                f"estimated recompute {self.recompute_est_ms:.1f} ms: FLOPs, memory-bound bytes and random bytes{rates}"
-            )
+                measured = MachineRates.from_dict(self.rates)
+                rates = f" at {measured}"
+                if measured.gather_byte_per_s is not None:
+                    work = "FLOPs, memory-bound bytes, random bytes and parameters all-gathered again"
+            lines.append(f"estimated recompute {self.recompute_est_ms:.1f} ms: {work}{rates}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:

@@ -3,9 +3,11 @@
 flops: FLOPs counted by torch (deterministic; ops without FLOPs, like layer norm,
 count 0). ms: each block's forward timed once when profiling (noisy). time:
 estimated milliseconds, the block's FLOPs, memory-bound bytes and random bytes each
-at the machine rate measured with the profile (`MachineRates`). Every checkpointed
-block is rebuilt once; a segment's last block skips its ops after its last saved
-tensor (torch's early stop); a segment adds a fixed, measured overhead in `time`.
+at the machine rate measured with the profile (`MachineRates`), plus, under sharded
+training, the parameter bytes its recompute all-gathers again at the measured
+all-gather rate. Every checkpointed block is rebuilt once; a segment's last block
+skips its ops after its last saved tensor (torch's early stop), never its gather (it
+comes first); a segment adds a fixed, measured overhead in `time`.
 """
 
 from __future__ import annotations
@@ -37,12 +39,14 @@ def metric_rates(cost: StepCost, metric: str) -> MachineRates | None:
 
 
 def block_recompute(block, metric: str = "flops", rates: MachineRates | None = None) -> float:
-    """Forward cost of one block in `metric` (`flops`, `ms`, or `time` with `rates`)."""
+    """Forward cost of one block in `metric` (`flops`, `ms`, or `time` with `rates`); in `time`
+    with the all-gather of its `gather_bytes` (0 ms without a measured all-gather rate)."""
     if metric == "flops":
         return block.fwd_flops
     if metric == "ms":
         return block.fwd_ms
-    return _need_rates(rates, metric).fwd_ms(block.fwd_flops, block.fwd_mem_bytes, block.fwd_rng_bytes)
+    rates = _need_rates(rates, metric)
+    return rates.fwd_ms(block.fwd_flops, block.fwd_mem_bytes, block.fwd_rng_bytes) + rates.gather_ms(block.gather_bytes)
 
 
 def skipped_tail(block, metric: str = "flops", rates: MachineRates | None = None) -> float:

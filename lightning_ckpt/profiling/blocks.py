@@ -5,7 +5,7 @@ of dotted paths and glob patterns (`["stem", "layer1.*", "head"]`, where `*` sta
 within one path component) naming a chain of modules of any classes, in call
 order; or None to pick the largest container whose children all share one class
 (ties: the one with more parameters). Unknown paths get an error that lists the
-candidates.
+candidates. Names leave out the `_orig_mod` of `torch.compile` wrappers (either form is accepted).
 """
 
 from __future__ import annotations
@@ -38,14 +38,20 @@ def _match(pattern: str, name: str) -> bool:
     return len(pp) == len(nn_) and all(fnmatch.fnmatchcase(n, p) for p, n in zip(pp, nn_))
 
 
+def plain_name(name: str) -> str:
+    """`name` without the `_orig_mod` components that `torch.compile` wrappers add."""
+    return ".".join(p for p in name.split(".") if p != "_orig_mod")
+
+
 def resolve_chain(model: nn.Module, patterns: Sequence[str]) -> tuple[list[str], list[nn.Module]]:
     """Modules named by dotted paths / glob patterns, in the order given."""
-    named = [(n, m) for n, m in model.named_modules() if n]
+    # a compiled module and the original inside it are one block: keep the wrapper, by its plain name
+    named = [(plain_name(n), m) for n, m in model.named_modules() if n and n.split(".")[-1] != "_orig_mod"]
     names: list[str] = []
     for pat in patterns:
         if not isinstance(pat, str) or not pat.strip():
             raise ValueError(f"blocks entry {pat!r} must be a non-empty dotted path or glob pattern such as 'layer1.*'.")
-        hits = [n for n, _ in named if _match(pat.strip(), n)]
+        hits = [n for n, _ in named if _match(plain_name(pat.strip()), n)]
         if not hits:
             listing = ", ".join(repr(n) for n, _ in named if "." not in n) or "none"
             raise ValueError(
@@ -100,6 +106,9 @@ def resolve_blocks(model: nn.Module, blocks: str | Sequence[str] | None) -> tupl
                 f"blocks={blocks!r} names a {type(container).__name__} without child modules; it must name the "
                 f"container that holds the blocks in call order. Candidates found: {listing}."
             )
-    container = model.get_submodule(path)
+    container = model.get_submodule(path)  # a `torch.compile` wrapper passes attribute lookups on
+    while "_orig_mod" in container._modules:  # a compiled container: its blocks are the original's
+        container = container._modules["_orig_mod"]
+    path = plain_name(path)
     names = [f"{path}.{n}" if path else n for n, _ in container.named_children()]
     return path, names, list(container.children())

@@ -23,7 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lightning_ckpt.planning.costs import BlockCost, StepCost
 from lightning_ckpt.planning.linear_fit import Profile
 from lightning_ckpt.planning.machine_rates import MachineRates
-from lightning_ckpt.profiling.batch import batch_size_of, first_tensor, slice_batch
+from lightning_ckpt.profiling.batch import batch_size_of, first_tensor, slice_batch, tensors_in
 from lightning_ckpt.profiling.chain_check import receives_output, tensor_version
 from lightning_ckpt.profiling.op_bytes import OpBytesCounter
 from lightning_ckpt.profiling.state import preserved_state
@@ -31,6 +31,7 @@ from lightning_ckpt.profiling.tracker import (
     LiveBytesTracker,
     storage_bytes,
     storage_key,
+    unique_storage_bytes,
 )
 
 StepFn = Callable[[Any], torch.Tensor]
@@ -50,6 +51,7 @@ class _Probe:
         flops: FlopCounterMode,
         names: Sequence[str],
         work: OpBytesCounter | None = None,
+        batch_keys: set | None = None,
     ):
         self.blocks = list(blocks)
         self.names = list(names)
@@ -59,8 +61,10 @@ class _Probe:
         self.flops = flops
         self.work = work
         self.param_keys = {storage_key(p) for p in model.parameters()}
-        # ZeRO-3 parameters have empty storage until gathered in the forward: also tell them by identity.
+        # ZeRO-3 and FSDP2 parameters are empty or sharded until gathered: also tell them by identity.
         self.param_ids = {id(p) for p in model.parameters()}
+        # the batch is alive all step (`StepCost.batch_bytes`): never a block's saved or boundary bytes
+        self.batch_keys = batch_keys or set()
         self.current: int | None = None
         self.done_blocks = 0
         self.owner: dict[Any, int] = {}
@@ -111,8 +115,11 @@ class _Probe:
             # the previous output itself, or an alias of it (ZeRO-3 re-wraps it): see `receives_output`
             self.chains[i] = bool(args) and receives_output(args[0], self.prev_output, self.prev_version)
         self.current = i
+        # FSDP2 (like ZeRO-3) swaps in unsharded parameters just before a block runs: know them by identity
+        self.param_ids.update(id(p) for p in module.parameters())
         self.input_key[i] = storage_key(first) if first is not None else None
-        self.input_bytes[i] = storage_bytes(first) if first is not None else 0
+        in_batch = self.input_key[i] in self.batch_keys
+        self.input_bytes[i] = storage_bytes(first) if first is not None and not in_batch else 0
         if i > 0 and self.input_key[i] is not None and self.owner.get(self.input_key[i]) == i - 1:
             self.input_by_prev[i] = self.input_bytes[i]
         self.live_entry[i] = self.tracker.live_bytes
@@ -149,7 +156,7 @@ class _Probe:
         if i is not None:
             key = storage_key(t)
             base = t if t._base is None else t._base
-            if key is not None and key not in self.param_keys and id(base) not in self.param_ids:
+            if key is not None and key not in self.param_keys and key not in self.batch_keys and id(base) not in self.param_ids:
                 first_owner = self.owner.get(key)
                 if first_owner is None:
                     self.owner[key] = i
@@ -222,11 +229,13 @@ def probe_step(
     blocks = list(blocks)
     names = list(names) if names is not None else [f"block{i}" for i in range(len(blocks))]
     batch_n = batch_size_of(batch)
+    batch_tensors = list(tensors_in(batch))
+    batch_keys = {storage_key(t) for t in batch_tensors} - {None}
     with preserved_state(model):
         tracker = LiveBytesTracker()
         flops = FlopCounterMode(display=False)
         work = OpBytesCounter(flops)
-        probe = _Probe(model, blocks, tracker, flops, names, work)
+        probe = _Probe(model, blocks, tracker, flops, names, work, batch_keys)
         handles = []
         for b in blocks:
             handles.append(b.register_forward_pre_hook(probe.pre_hook, with_kwargs=True))
@@ -283,6 +292,7 @@ def probe_step(
         batch_size=batch_n,
         outside_grad_bytes=max(0, outside_grad),
         pre_saved_bytes=probe.pre_bytes,
+        batch_bytes=unique_storage_bytes(batch_tensors),
         post_saved_bytes=probe.post_peak,
         post_forward_bytes=probe.post_fwd_peak,
         meta={"step_fwd_flops": int(step_fwd_flops), "work": work.dominant()},

@@ -2,7 +2,7 @@
 
 The step runs in Lightning's order (forward and loss, `zero_grad`, backward,
 optimizer step). On CPU the peak comes from `LiveBytesTracker` with parameters,
-buffers, gradients and optimizer state adopted at the start; on CUDA from the
+buffers, gradients and optimizer state and the batch adopted at the start; on CUDA from the
 allocator's `max_memory_allocated`.
 """
 
@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_ckpt.profiling.batch import tensors_in
 from lightning_ckpt.profiling.tracker import LiveBytesTracker
 
 __all__ = ["cuda_peak", "measure_peak", "measure_step_peak", "state_tensors"]
@@ -45,12 +46,12 @@ def measure_step_peak(
     batch: Any,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> int:
-    """Peak bytes of one whole training step (model state included)."""
+    """Peak bytes of one whole training step (model state and the batch included)."""
     device = next(model.parameters()).device
     if device.type == "cuda":
         return cuda_peak(lambda: _step(model, loss_fn, batch, optimizer), device)
     with LiveBytesTracker() as tracker:
-        tracker.adopt(state_tensors(model, optimizer))
+        tracker.adopt(state_tensors(model, optimizer) + list(tensors_in(batch)))
         tracker.reset_peak()
         _step(model, loss_fn, batch, optimizer)
     return tracker.peak_bytes

@@ -16,24 +16,31 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["LiveBytesTracker", "storage_bytes", "storage_key", "unique_storage_bytes"]
+__all__ = ["LiveBytesTracker", "local_tensor", "storage_bytes", "storage_key", "unique_storage_bytes"]
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding `t`'s bytes on this process: a DTensor's local shard, else `t` itself."""
+    local = getattr(t, "_local_tensor", None)  # DTensor (FSDP2, tensor parallel)
+    return local if isinstance(local, torch.Tensor) else t
 
 
 def storage_key(t: torch.Tensor) -> tuple[str, int] | None:
-    """(device, data pointer) of the storage behind `t`; None for meta, empty or storage-less tensors."""
+    """(device, data pointer) of the storage behind `t`; None for meta, empty or storage-less tensors
+    (a storage FSDP2 freed by resizing it to 0 bytes, a wrapper subclass without data)."""
     try:
-        st = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # meta, sparse, functional wrappers
+        st = local_tensor(t).untyped_storage()
+        if st.device.type == "meta" or st.nbytes() == 0:
+            return None
+        return (str(st.device), st.data_ptr())
+    except (RuntimeError, NotImplementedError):  # meta, sparse, functional wrappers, invalid python storage
         return None
-    if st.device.type == "meta" or st.nbytes() == 0:
-        return None
-    return (str(st.device), st.data_ptr())
 
 
 def storage_bytes(t: torch.Tensor) -> int:
-    """Bytes of the storage behind `t` (a view counts its whole base)."""
+    """Bytes of the storage behind `t` (a view counts its whole base; a DTensor its local shard)."""
     try:
-        return int(t.untyped_storage().nbytes())
+        return int(local_tensor(t).untyped_storage().nbytes())
     except (RuntimeError, NotImplementedError):
         return 0
 
@@ -98,12 +105,11 @@ class LiveBytesTracker(TorchDispatchMode):
         key = storage_key(t)
         if key is None or key in self._live:
             return
-        st = t.untyped_storage()
+        st = local_tensor(t).untyped_storage()
         nbytes = int(st.nbytes())
         self._live[key] = nbytes
         self.live_bytes += nbytes
-        if self.live_bytes > self.peak_bytes:
-            self.peak_bytes = self.live_bytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         self._finalizers.append(weakref.finalize(st, self._free, key))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -1,0 +1,35 @@
+"""Process RSS now and its peak over a block of code, from the kernel's high-water mark or sampled."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from lightning_ckpt.profiling import rss
+
+pytestmark = pytest.mark.skipif(rss.current_rss_bytes() is None, reason="needs /proc (Linux)")
+MIB = 2**20
+
+
+def test_current_rss_is_positive_and_sees_a_touched_allocation():
+    before = rss.current_rss_bytes()
+    t = torch.ones(16 * MIB // 4)
+    assert rss.current_rss_bytes() - before >= 15 * MIB
+    del t
+
+
+@pytest.mark.parametrize("writable", [True, False])
+def test_peak_covers_a_tensor_freed_inside(monkeypatch, writable):
+    if not writable:
+        monkeypatch.setattr(rss, "_reset_hwm", lambda: False)  # as where clear_refs is not writable
+    with rss.RssPeak() as peak:
+        start = rss.current_rss_bytes()
+        t = torch.ones(64 * MIB // 4)
+        time.sleep(0.05)  # long enough for the sampler
+        del t
+    assert peak.method == ("hwm" if writable else "sampled")
+    assert peak.peak_bytes - start >= 60 * MIB
+    assert peak.peak_bytes < start + 200 * MIB
+    assert peak.anon_peak_bytes is not None and 0 < peak.anon_peak_bytes <= peak.peak_bytes
