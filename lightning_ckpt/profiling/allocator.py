@@ -132,7 +132,7 @@ def follow_tensors_cpu(
         "set", "glibc",
         f"lightning-ckpt: glibc malloc set for this fit (mmap and trim thresholds {mmap_threshold_bytes // 1024} "
         "KiB), so process memory follows the tensors; glibc's default thresholds are set back at the end. "
-        "Fresh pages cost step time (1.8-2.5x on this project's CPU examples, benchmarks/rss.py): "
+        "Fresh pages cost step time (1.8-2.4x on this project's CPU examples, benchmarks/rss.py): "
         "tune_allocator=False keeps the speed and leaves malloc alone, at the price of RSS above the budget.",
         mmap_threshold_bytes, trim_threshold_bytes,
     )
