@@ -88,11 +88,11 @@ def run_case(name: str, precision: str, device: torch.device, quick: bool, steps
         with autocast():
             return F.cross_entropy(m(b[0]), b[1])
 
-    def step(b, m=model):
+    def step(b, m=model, o=opt):
         loss = loss_fn(b, m)
-        opt.zero_grad()
+        o.zero_grad()
         loss.backward()
-        opt.step()
+        o.step()
 
     step(batch)  # one real step: gradients and AdamW state exist, as the plan assumes
     profile = lc.profile_model(model, blocks, loss_fn, batch, (1, 2), 4, names=names, timing=not quick)
