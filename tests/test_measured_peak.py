@@ -10,6 +10,7 @@ import torch
 
 from lightning_ckpt.integrations.measured_peak import fit_memory, should_measure, step_peak, summary
 from lightning_ckpt.profiling import allocator
+from lightning_ckpt.planning.plan import format_bytes
 
 
 def _trainer(device="cpu", optimizers=()):
@@ -48,7 +49,7 @@ def test_measured_only_when_asked_and_steady(measure_peak, device, has_state, ex
 
 
 def test_cpu_reading_has_an_rss_figure_above_the_fit_start_baseline():
-    """The RSS peak above the baseline is present and sane: it covers a touched 32 MiB tensor
+    """The RSS peak above the baseline is present and sane: it covers a touched 64 MiB tensor
     that lived inside the step, and is not far above what the tracker counted."""
     from lightning_ckpt.profiling.rss import current_rss_bytes
 
@@ -58,10 +59,10 @@ def test_cpu_reading_has_an_rss_figure_above_the_fit_start_baseline():
     fit = fit_memory(_trainer(), tune_allocator=False)
     assert fit.allocator.action == "off" and fit.rss_start_bytes > 0
     with step_peak(_trainer(), model, None, fit) as reading:
-        t = torch.ones(8 * 2**20)  # 32 MiB
+        t = torch.ones(16 * 2**20)  # 64 MiB: above glibc's largest mmap threshold, so fresh pages
         del t
-    assert reading.peak_bytes >= 32 * 2**20
-    assert 30 * 2**20 <= reading.rss_peak_bytes <= reading.peak_bytes + 64 * 2**20
+    assert reading.peak_bytes >= 64 * 2**20
+    assert 60 * 2**20 <= reading.rss_peak_bytes <= reading.peak_bytes + 64 * 2**20
     assert reading.reserved_peak_bytes is None
     line = summary(reading, SimpleNamespace(predicted_peak_bytes=40 * 2**20, budget_bytes=50 * 2**20))
     assert "tracked tensors" in line and "process RSS above fit start" in line and "predicted 40.0 MiB" in line
@@ -91,8 +92,11 @@ def test_fit_reports_tracked_and_rss_peaks_next_to_the_prediction(tmp_path, capl
     assert measured["predicted_peak_bytes"] == cb.plan.predicted_peak_bytes
     assert measured["tracked_peak_bytes"] == cb.measured_peak_bytes
     if measured["rss_peak_above_start_bytes"] is not None:  # Linux
-        assert 0 < measured["rss_peak_above_start_bytes"] < 2**30
-        assert "process RSS above fit start" in caplog.text
+        # A 1 MiB step can run in pages the process already holds, so its RSS growth may be 0
+        # (test_cpu_reading_has_an_rss_figure_above_the_fit_start_baseline checks a growth that must show).
+        rss = measured["rss_peak_above_start_bytes"]
+        assert isinstance(rss, int) and abs(rss) < 2**30
+        assert f"process RSS above fit start {format_bytes(rss)}" in caplog.text
     assert "first planned step: predicted" in caplog.text
     if allocator.is_glibc() and not allocator.loaded_allocator():
         assert "glibc malloc set for this fit" in caplog.text
