@@ -15,6 +15,41 @@ from lightning_ckpt.planning.machine_rates import MachineRates
 
 
 @dataclass(frozen=True)
+class OpCost:
+    """One op call inside a block's forward, for op-level (selective) plans.
+
+    op: the aten overload, as ``str(func)`` (e.g. ``"aten.mm.default"``).
+    call_index: how many calls of the same `op` came before this one in the block's
+        forward (0 for the first). `op` and `call_index` together name the call the same
+        way torch's selective checkpoint contexts count it inside a checkpointed block.
+    keep_bytes: bytes held from the forward to the block's backward when this call's
+        outputs are kept instead of recomputed (unique output storages; for a random op,
+        its draws as one byte per element).
+    saved: autograd saves one of its output storages for backward.
+    keepable: keeping it is possible: its outputs are new storages (not views of or
+        writes into its inputs), or it is a random op whose draws can be replayed.
+    in_tail: it runs after the block's last saved tensor, so torch's early stop never
+        recomputes it when the block ends its region.
+    flops, mem_bytes, rng_bytes: its forward work, split as in `BlockCost` (FLOPs,
+        bytes written by ops without FLOPs, bytes written by random ops).
+    """
+
+    op: str
+    call_index: int
+    keep_bytes: int
+    saved: bool
+    keepable: bool
+    in_tail: bool = False
+    flops: int = 0
+    mem_bytes: int = 0
+    rng_bytes: int = 0
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.op, self.call_index)
+
+
+@dataclass(frozen=True)
 class BlockCost:
     """One block of the chain at one batch size.
 
@@ -59,6 +94,7 @@ class BlockCost:
     gather_bytes: parameter bytes the block's recompute all-gathers beyond a step without
         checkpointing (ZeRO-3 fetches its partitioned parameters again; `profiling.gather`).
         The same at every batch size; 0 when the block is not sharded.
+    ops: the block's op calls in forward order (`OpCost`); empty when not profiled per op.
     """
 
     name: str
@@ -82,6 +118,7 @@ class BlockCost:
     fwd_ms: float = 0.0
     chains_from_previous: bool = True
     gather_bytes: int = 0
+    ops: tuple[OpCost, ...] = ()
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -185,5 +222,7 @@ class StepCost:
     @classmethod
     def from_dict(cls, data: dict) -> "StepCost":
         data = dict(data)
-        blocks = tuple(BlockCost(**b) for b in data.pop("blocks"))
+        blocks = tuple(
+            BlockCost(**{**b, "ops": tuple(OpCost(**o) for o in b.get("ops", ()))}) for b in data.pop("blocks")
+        )
         return cls(blocks=blocks, **data)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from lightning_ckpt.planning.costs import BlockCost, StepCost
+from lightning_ckpt.planning.costs import BlockCost, OpCost, StepCost
 
 _BLOCK_LINEAR = (
     "saved_bytes",
@@ -38,6 +38,27 @@ _STEP_LINEAR = ("pre_saved_bytes", "batch_bytes", "post_saved_bytes")
 
 def _line(x1: float, y1: float, x2: float, y2: float, x: float) -> float:
     return y1 + (y2 - y1) * (x - x1) / (x2 - x1)
+
+
+_OP_LINEAR = ("keep_bytes", "flops", "mem_bytes", "rng_bytes")
+
+
+def _fit_ops(ops1: tuple[OpCost, ...], ops2: tuple[OpCost, ...], x1: int, x2: int, x: int) -> tuple[OpCost, ...]:
+    """The block's op calls at batch `x`, each of its sizes on its own line. The two probes
+    must list the same calls in the same order; where they do not (the block's ops depend on
+    the batch size), there are no op-level options for the block: an empty tuple."""
+    if [o.key for o in ops1] != [o.key for o in ops2]:
+        return ()
+    fitted = []
+    for o1, o2 in zip(ops1, ops2):
+        kw = {f: int(round(max(0.0, _line(x1, getattr(o1, f), x2, getattr(o2, f), x)))) for f in _OP_LINEAR}
+        fitted.append(
+            dataclasses.replace(
+                o1, saved=o1.saved and o2.saved, keepable=o1.keepable and o2.keepable,
+                in_tail=o1.in_tail and o2.in_tail, **kw,
+            )
+        )
+    return tuple(fitted)
 
 
 @dataclass(frozen=True)
@@ -87,6 +108,7 @@ class Profile:
             for tail, whole in _TAILS:
                 kw[tail] = min(kw[tail], kw[whole])
             kw["chains_from_previous"] = b1.chains_from_previous and b2.chains_from_previous
+            kw["ops"] = _fit_ops(b1.ops, b2.ops, x1, x2, batch_size)
             blocks.append(BlockCost(**kw))
         fields = {
             f: int(round(max(0.0, _line(x1, getattr(p1, f), x2, getattr(p2, f), batch_size)))) for f in _STEP_LINEAR
