@@ -109,14 +109,35 @@ def dp_knapsack_hirschberg(
     if feasible and not fits_exactly(w[saved].tolist(), cap):
         # [constraint] ceil(w*s) >= w*s and floor(cap*s) <= cap*s: any selection within the
         # conservative integer budget is within the real budget.
+        # First with the products' representation noise forgiven (a weight of 3 quanta
+        # that the product makes 3.0000000000000004 stays 3, not 4): at the rounded budget,
+        # then a quantum or two below it when the real sum of that answer is over the
+        # budget (grid-aligned weights whose float sum lands one ulp above); each kept only
+        # if its real sum fits; and strictly rounded up, which always fits. The best that fits wins.
         with np.errstate(over="ignore", invalid="ignore"):
-            qc = np.ceil(w * scale)
-        ccap = math.floor(cap * scale)
-        decide = np.flatnonzero((qc <= ccap) & (v > 0))
-        q = qc[decide].astype(np.int64)
-        picked = hirschberg_select(q, v[decide], ccap) if decide.size else np.zeros(0, dtype=np.int64)
-        saved = decide[picked]
+            ws = w * scale
+            snapped = np.ceil(ws - _PRODUCT_NOISE * np.abs(ws))
+            strict = np.ceil(ws)
+        cs = cap * scale
+        top = math.floor(cs + _PRODUCT_NOISE * abs(cs))
+        tries = [(snapped, top - k) for k in range(_BELOW_TRIES + 1)] + [(strict, math.floor(cs))]
+        best, best_value = None, -math.inf
+        for qc, ccap in tries:
+            decide = np.flatnonzero((qc <= ccap) & (v > 0))
+            q = qc[decide].astype(np.int64)
+            picked = hirschberg_select(q, v[decide], ccap) if decide.size else np.zeros(0, dtype=np.int64)
+            pick = decide[picked]
+            value = math.fsum(v[pick].tolist())
+            if value > best_value and fits_exactly(w[pick].tolist(), cap):
+                best, best_value = pick, value
+        saved = best
     return make_result(v, saved, n)
+
+
+# Relative error of `memory * scale` and `max_memory * scale` forgiven before rounding up:
+# a few units in the last place of a float64 product.
+_PRODUCT_NOISE = 8 * 2.0**-52
+_BELOW_TRIES = 2  # budgets one and two quanta below the rounded one
 
 
 @dataclass(frozen=True)
