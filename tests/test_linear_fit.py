@@ -1,0 +1,37 @@
+"""`Profile`: per-op costs are fitted on their own lines and survive a round trip."""
+
+from __future__ import annotations
+
+from lightning_ckpt.planning.costs import BlockCost, OpCost, StepCost
+from lightning_ckpt.planning.linear_fit import Profile
+
+
+def _step(batch: int, ops: tuple[OpCost, ...]) -> StepCost:
+    block = BlockCost("b0", saved_bytes=100 * batch, input_bytes=10 * batch, ops=ops)
+    return StepCost(blocks=(block,), batch_size=batch)
+
+
+def _ops(batch: int, second: str = "aten.gelu.default") -> tuple[OpCost, ...]:
+    return (
+        OpCost("aten.mm.default", 0, keep_bytes=64 * batch, saved=True, keepable=True, flops=1000 * batch),
+        OpCost(second, 0, keep_bytes=64 * batch, saved=True, keepable=True, mem_bytes=64 * batch),
+    )
+
+
+def test_op_sizes_follow_their_own_lines():
+    profile = Profile((_step(1, _ops(1)), _step(2, _ops(2))))
+    ops = profile.at(8).blocks[0].ops
+    assert [o.key for o in ops] == [("aten.mm.default", 0), ("aten.gelu.default", 0)]
+    assert ops[0].keep_bytes == 512 and ops[0].flops == 8000 and ops[1].mem_bytes == 512
+
+
+def test_ops_that_differ_between_probes_give_no_op_options():
+    profile = Profile((_step(1, _ops(1)), _step(2, _ops(2, second="aten.relu.default"))))
+    assert profile.at(8).blocks[0].ops == ()
+
+
+def test_ops_round_trip_through_dicts():
+    cost = _step(4, _ops(4))
+    again = StepCost.from_dict(cost.to_dict())
+    assert again.blocks[0].ops == cost.blocks[0].ops
+    assert isinstance(again.blocks[0].ops[0], OpCost)
