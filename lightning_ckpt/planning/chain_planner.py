@@ -56,7 +56,7 @@ Bounding (exact)
 leaves at most budget - D resident. A checkpointed block frees at most its saved
 bytes and costs at least its recompute less its skipped tail, so the fractional
 knapsack "free W_p - (budget - D) bytes from blocks 0..p-1 at least cost" is a
-lower bound L on the prefix's recompute (`_PrefixBound`). Given an upper bound U
+lower bound L on the prefix's recompute (`prefix_bound`). Given an upper bound U
 (the cost of any feasible plan), a state with C + L > U, and a pool option whose
 bound for every later start exceeds U, can be dropped: every plan costing <= U,
 so every optimal plan and its lowest-peak tie, survives. U comes from a *beam*
@@ -79,136 +79,29 @@ this solver is tested against (a forward DP, brute force) are in tests/oracles.p
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from lightning_ckpt.planning.chain_arrays import ChainArrays, chain_arrays
 from lightning_ckpt.planning.costs import StepCost
-from lightning_ckpt.planning.memory_model import (
-    ElementArrays,
-    element_arrays,
-    segment_need_rows,
-)
-from lightning_ckpt.planning.recompute_cost import (
-    block_recompute,
-    metric_rates,
-    segment_overhead,
-    skipped_tail,
-)
+from lightning_ckpt.planning.memory_model import segment_need_rows
+from lightning_ckpt.planning.op_options import OpKey
+from lightning_ckpt.planning.prefix_bound import PrefixBound
 
 Segments = list[tuple[int, int]]
 
-_INT_LIMIT = 2**62
-_NS_PER_MS = 1e6
 
 
 @dataclass(frozen=True)
 class ChainSolution:
-    """The optimum: least recompute `cost`, its (lowest) predicted `peak_bytes`, the plan."""
+    """The optimum: least recompute `cost`, its (lowest) predicted `peak_bytes`, the plan
+    (`segments`, and the op calls `keeps` keeps in blocks checkpointed alone)."""
 
     cost: float
     peak_bytes: int
     segments: Segments
-
-
-@dataclass
-class _Arrays(ElementArrays):
-    """The element form's columns plus what the DP adds: chaining and recompute."""
-
-    next_break: np.ndarray  # first block k > p that does not chain from k - 1 (n if none)
-    rc: np.ndarray  # block recompute
-    tails: np.ndarray  # skipped tail when the block ends a segment
-    P: np.ndarray  # prefix sums of block recompute (n + 1)
-    K: np.ndarray  # K[q] = P[q] - tail[q - 1] + segment overhead (n + 1, K[0] unused)
-    cost_scale: float = 1.0  # solver cost units per unit of the metric (time: ns per ms)
-
-
-def _arrays(cost: StepCost, metric: str) -> _Arrays:
-    blocks = cost.blocks
-    n = len(blocks)
-    rates = metric_rates(cost, metric)
-    rc = [block_recompute(b, metric, rates) for b in blocks]
-    tails = [skipped_tail(b, metric, rates) for b in blocks]
-    # [constraint] every segment ends at exactly one block: its fixed overhead goes with the end
-    seg = segment_overhead(metric, rates) if metric == "time" else 0  # an int: FLOPs stay exact
-    scale = 1.0
-    if metric == "time":
-        # [exactness] estimated times in whole nanoseconds, summed as int64: plans of
-        # equal cost tie exactly, so the lower peak wins and not a rounding error
-        scale = _NS_PER_MS
-        rc = [int(round(c * scale)) for c in rc]
-        tails = [int(round(c * scale)) for c in tails]
-        seg = int(round(seg * scale))
-    integral = metric != "ms" and all(isinstance(c, int) for c in rc + tails) and sum(rc) + sum(tails) < _INT_LIMIT
-    cdt = np.int64 if integral else np.float64
-    P = np.zeros(n + 1, dtype=cdt)
-    np.cumsum(np.array(rc, dtype=cdt), out=P[1:])
-    K = np.zeros(n + 1, dtype=cdt)
-    K[1:] = P[1:] - np.array(tails, dtype=cdt) + seg
-    next_break = np.full(n, n, dtype=np.int64)
-    nb = n
-    for k in range(n - 1, -1, -1):
-        next_break[k] = nb
-        if not blocks[k].chains_from_previous:
-            nb = k
-    mem = element_arrays(cost)
-    return _Arrays(
-        **vars(mem), next_break=next_break, rc=np.array(rc, dtype=cdt), tails=np.array(tails, dtype=cdt), P=P, K=K,
-        cost_scale=scale,
-    )
-
-
-class _PrefixBound:
-    """Lower bounds on the recompute of a prefix that must leave at most h bytes resident.
-
-    [constraint] the blocks before p leave W_p bytes resident when all are kept; a
-    checkpointed block i leaves 0 or its input instead of saved_i, so it frees at most
-    saved_i, and it costs at least rc_i - tail_i. The fractional knapsack over the
-    blocks before p (free at least W_p - h bytes at the least cost, items divisible)
-    is a relaxation of every prefix plan, hence a lower bound: a convex piecewise
-    linear function of the bytes to free, evaluated with `np.interp`. It is +inf when
-    even checkpointing every block cannot free enough. Values are float64 and
-    compared with a margin (`slack`).
-    """
-
-    def __init__(self, a: _Arrays):
-        w = a.saved.astype(np.float64)
-        c = a.rc.astype(np.float64) - a.tails.astype(np.float64)
-        self.W = a.W.astype(np.float64)
-        neg = c < 0  # never with non-negative FLOPs and tails; kept for exactness
-        self.neg_w = np.concatenate(([0.0], np.cumsum(np.where(neg, w, 0.0))))
-        self.neg_c = np.concatenate(([0.0], np.cumsum(np.where(neg, c, 0.0))))
-        useful = ~neg & (w > 0)
-        ratio = np.where(useful, c / np.where(w > 0, w, 1.0), np.inf)
-        order = np.argsort(ratio, kind="stable")
-        self.order = order[useful[order]]
-        self.w, self.c = w, c
-        self.slack = 1e-9 * (1.0 + float(np.abs(c).sum()))
-        self._cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-
-    def _table(self, p: int) -> tuple[np.ndarray, np.ndarray]:
-        tab = self._cache.get(p)
-        if tab is None:
-            if len(self._cache) > 2:  # the DP walks p downwards and asks for p and p + 1
-                self._cache = {k: t for k, t in self._cache.items() if k <= p + 1}
-            sel = self.order[self.order < p]
-            xs = np.empty(sel.shape[0] + 1)
-            ys = np.empty(sel.shape[0] + 1)
-            xs[0] = ys[0] = 0.0
-            np.cumsum(self.w[sel], out=xs[1:])
-            np.cumsum(self.c[sel], out=ys[1:])
-            tab = self._cache[p] = (xs, ys)
-        return tab
-
-    def bound(self, p: int, h: np.ndarray) -> np.ndarray:
-        """Lower bound on the recompute of blocks 0..p-1 leaving at most `h` resident."""
-        xs, ys = self._table(p)
-        r = (self.W[p] - self.neg_w[p]) - h
-        return np.interp(r, xs, ys, left=0.0, right=np.inf) + self.neg_c[p]
-
-    def total(self, h: int) -> float:
-        n = self.W.shape[0] - 1
-        return float(self.bound(n, np.array([float(h)]))[0])
+    keeps: dict[int, tuple[OpKey, ...]] = field(default_factory=dict)
 
 
 def solve_chain(
@@ -218,8 +111,14 @@ def solve_chain(
     max_segment_blocks: int | None = None,
     stats: dict | None = None,
     beam: int | None = None,
+    granularity: str = "block",
+    max_options: int | None = None,
 ) -> ChainSolution | None:
     """Least recompute within `budget_bytes`, ties broken by the lowest peak; None if nothing fits.
+
+    granularity="op" adds, for every block, its op-level options (`op_options`: keep some
+    op outputs, recompute the rest) as one-block segments of their own resident and
+    cost; `max_options` caps how many of each block's frontier are offered.
 
     [bound] First a beam run (the same DP keeping only the few most promising states
     per position) finds a good feasible plan; its cost is an upper bound U. Then the
@@ -228,13 +127,13 @@ def solve_chain(
     every optimal plan, survives all pruning, so the exact run's answer is the
     optimum with the lowest peak. Without a beam plan the exact run is uncapped.
     """
-    a = _arrays(cost, metric)
+    a = chain_arrays(cost, metric, granularity, max_options)
     budget = int(budget_bytes)
     end_relief = int(a.o[a.n])  # a kept last block may already hold what the head runs on
     if a.opt_need > budget or a.end_need - end_relief > budget:
         return None
     max_len = a.n if max_segment_blocks is None else max(1, int(max_segment_blocks))
-    lb = _PrefixBound(a)
+    lb = a.bound()
     if lb.total(budget - a.end_need + end_relief) == math.inf:
         return None
     if stats is not None:
@@ -245,13 +144,13 @@ def solve_chain(
     if beam:
         guess = _solve(a, budget, max_len, math.inf, lb, stats, beam=beam)
         if guess is not None:
-            cap = guess.cost
+            cap = guess[0]
             if stats is not None:
-                stats["beam_cost"] = guess.cost
+                stats["beam_cost"] = guess[1].cost
     found = _solve(a, budget, max_len, cap, lb, stats)
     if found is None and cap != math.inf:  # cannot happen (the beam plan survives); stay exact anyway
         found = _solve(a, budget, max_len, math.inf, lb, stats)
-    return found
+    return None if found is None else found[1]
 
 
 _BEAM = 16  # states kept per position by the bounding run
@@ -259,9 +158,10 @@ _BEAM_FROM = 64  # shorter chains are solved in one uncapped run (`beam=0`)
 
 
 def _solve(
-    a: _Arrays, budget: int, max_len: int, cap: float, lb: _PrefixBound, stats: dict | None, beam: int = 0
-) -> ChainSolution | None:
-    """The backward Pareto DP (see the module docstring); `cap`/`beam` as in `solve_chain`."""
+    a: ChainArrays, budget: int, max_len: int, cap: float, lb: PrefixBound, stats: dict | None, beam: int = 0
+) -> tuple[float, ChainSolution] | None:
+    """The backward Pareto DP (see the module docstring); `cap` (in solver units) and `beam`
+    as in `solve_chain`. Returns the optimum's cost in solver units and the solution."""
     n = a.n
     cdt = a.P.dtype
     i64 = np.int64
@@ -295,10 +195,12 @@ def _solve(
     FD: list = [None] * (n + 1)
     FC: list = [None] * (n + 1)
     FB: list = [None] * (n + 1)
+    FO: list = [None] * (n + 1)  # per state: 0, or 1 + the op option of a block checkpointed alone
     FD[n] = np.array([a.end_need], dtype=i64)
     FC[n] = np.zeros(1, dtype=cdt)
     # the end acts as a segment start whose boundary is the last block's output (`o[n]`)
     FB[n] = np.full(1, SEG, dtype=i64)
+    FO[n] = np.zeros(1, dtype=i64)
 
     # The pool of segment continuations: option (D, Ct = K_q + C, back pointer to F_q),
     # in the order of insertion: the pointers (q in the high bits) fall along it.
@@ -359,34 +261,51 @@ def _solve(
         k_d, k_c, k_b = _pareto_prune(kd[ok], nc[ok], keep_b[ok])
         w = int(widths[p])
         start = pool_b.shape[0] - int(np.searchsorted(pool_b[::-1], (p + w + 1) << QS, side="left")) if w else 0
+        seg_d, seg_c, seg_b, seg_o = [], [], [], []
         if w and start < pool_b.shape[0]:
             if p < need_p0:  # compute need(p, .) for the next block of starts at once
                 p0 = max(0, p - 63)
                 width = int(widths[p0 : p + 1].max())
                 need_rows, need_p0 = segment_need_rows(a, p0, p + 1, width), p0
             ob = pool_b[start:]
-            sd = np.maximum(need_rows[p - need_p0][(ob >> QS) - q1], pool_d[start:] + a.x[p])
-            sc = pool_c[start:] - a.P[p]
+            seg_d.append(np.maximum(need_rows[p - need_p0][(ob >> QS) - q1], pool_d[start:] + a.x[p]))
+            seg_c.append(pool_c[start:] - a.P[p])
+            seg_b.append(ob | SEG)
+            seg_o.append(np.zeros(ob.shape[0], dtype=i64))
+        if a.opt_k and a.opt_k[p].shape[0] and m:
+            # op-level options: block p checkpointed alone, keeping k bytes of op outputs
+            # (`memory_model.selective_element`), continued by every state of F_{p+1}
+            k = a.opt_k[p][:, None]
+            dq = (nd + np.where(seg_q, 0, a.sh[q1]))[None, :]
+            need1 = np.maximum(a.one_fwd[p] + k, a.one_bwd[p])
+            seg_d.append(np.maximum(need1, a.x[p] + k + dq).ravel())
+            seg_c.append(((a.K[q1] - a.P[p] - a.opt_v[p])[:, None] + nc[None, :]).ravel())
+            seg_b.append(np.broadcast_to((keep_b | SEG)[None, :], (k.shape[0], m)).ravel())
+            seg_o.append(np.repeat(np.arange(1, k.shape[0] + 1, dtype=i64), m))
+        if seg_d:
+            sd, sc, sb, so = (np.concatenate(x) for x in (seg_d, seg_c, seg_b, seg_o))
             # a kept block p - 1 may lower the demand by what it saved of the boundary
             ok = sd - a.o[p] <= budget
             if capped:
                 ok &= sc <= cap
-            s_d, s_c, s_b = _pareto_prune(sd[ok], sc[ok], ob[ok] | SEG)
-            cand_d = np.concatenate((k_d, s_d))
-            cand_c = np.concatenate((k_c, s_c))
-            cand_b = np.concatenate((k_b, s_b))
-            relief = np.concatenate((np.zeros(k_d.shape[0], dtype=i64), np.full(s_d.shape[0], a.o[p], dtype=i64)))
+            sd, sc, sb, so = sd[ok], sc[ok], sb[ok], so[ok]
+            keep = _pareto_order(sd, sc)
+            cand_d = np.concatenate((k_d, sd[keep]))
+            cand_c = np.concatenate((k_c, sc[keep]))
+            cand_b = np.concatenate((k_b, sb[keep]))
+            cand_o = np.concatenate((np.zeros(k_d.shape[0], dtype=i64), so[keep]))
+            relief = np.concatenate((np.zeros(k_d.shape[0], dtype=i64), np.full(keep.shape[0], a.o[p], dtype=i64)))
         else:
             cand_d, cand_c, cand_b = k_d, k_c, k_b
-            relief = np.zeros(k_d.shape[0], dtype=i64)
+            cand_o = relief = np.zeros(k_d.shape[0], dtype=i64)
         if p > 0 and cand_d.shape[0] and (capped or beam):
             # [bound] the prefix before p must leave at most budget - D resident
             # (budget - D + relief when the element before p can lower D by `relief`)
             score = cand_c + lb.bound(p, budget - cand_d + relief)
             ok = _within(score, cap_eff, beam)
             if not ok.all():
-                cand_d, cand_c, cand_b = cand_d[ok], cand_c[ok], cand_b[ok]
-        FD[p], FC[p], FB[p] = cand_d, cand_c, cand_b
+                cand_d, cand_c, cand_b, cand_o = cand_d[ok], cand_c[ok], cand_b[ok], cand_o[ok]
+        FD[p], FC[p], FB[p], FO[p] = cand_d, cand_c, cand_b, cand_o
         if stats is not None:
             key = "beam_" if beam else ""
             stats[key + "pool"] = stats.get(key + "pool", 0) + pool_d.shape[0]
@@ -403,15 +322,18 @@ def _solve(
     best_cost = FC[0][k]
     peak = max(int(FD[0][k]), a.opt_need)
     segs: Segments = []
+    keeps: dict[int, tuple] = {}
     p = 0
     while p < n:
-        ptr = int(FB[p][k])
+        ptr, opt = int(FB[p][k]), int(FO[p][k])
+        if opt:
+            keeps[p] = a.opt_keys[p][opt - 1]
         q, k = ptr >> QS, IDX - (ptr & IDX)
         if ptr & SEG:
             segs.append((p, q - 1))
         p = q
     best = best_cost.item()
-    return ChainSolution(best / a.cost_scale if a.cost_scale != 1.0 else best, peak, segs)
+    return best, ChainSolution(best / a.cost_scale if a.cost_scale != 1.0 else best, peak, segs, keeps)
 
 
 def _within(score: np.ndarray, cap: float, keep: int) -> np.ndarray:
@@ -430,6 +352,14 @@ def _pareto_prune(d: np.ndarray, c: np.ndarray, b: np.ndarray) -> tuple[np.ndarr
     C strictly falling; of equal D only the least C."""
     if d.shape[0] <= 1:
         return d, c, b
+    order = _pareto_order(d, c)
+    return d[order], c[order], b[order]
+
+
+def _pareto_order(d: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """The indices `_pareto_prune` keeps, in its order."""
+    if d.shape[0] <= 1:
+        return np.arange(d.shape[0])
     order = np.argsort(d, kind="stable")
     cs = c[order]
     keep = np.empty(cs.shape[0], dtype=bool)
@@ -443,5 +373,5 @@ def _pareto_prune(d: np.ndarray, c: np.ndarray, b: np.ndarray) -> tuple[np.ndarr
         last[-1] = True
         np.not_equal(ds[:-1], ds[1:], out=last[:-1])
         if not last.all():
-            order, ds = order[last], ds[last]
-    return ds, c[order], b[order]
+            order = order[last]
+    return order

@@ -8,7 +8,9 @@ bytes R_e the elements before it leave resident, and the peak is
 
     peak = max(opt_need, R_n + end_need - relief, max_e (R_e + need_e + shift_e))
 
-`predict_peak` evaluates it (scalar form); `element_arrays` and `segment_need_rows`
+A block checkpointed alone may keep some op outputs (op-level plans, `op_options`):
+its element is the one-block segment's with the kept bytes resident and in its forward
+(`selective_element`). `predict_peak` evaluates it (scalar form); `element_arrays` and `segment_need_rows`
 hold the same terms as numpy columns for `chain_planner`. See docs/design.md.
 """
 
@@ -21,6 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from lightning_ckpt.planning.costs import StepCost, ckpt_forward_bytes
+from lightning_ckpt.planning.op_options import Keeps, kept_bytes
 
 Segments = Sequence[tuple[int, int]]
 
@@ -228,22 +231,40 @@ def segment_elements(cost: StepCost, first: int, terms: StepTerms) -> Iterator[E
             inner, inner_at = held + blk.bwd_transient_bytes, b
 
 
-def plan_elements(cost: StepCost, segments: Segments) -> Iterator[tuple[Element, int]]:
-    """The elements of a plan (validated `segments`) left to right, with their `boundary_shift`."""
+def selective_element(segment: Element, keep_bytes: int) -> Element:
+    """A block checkpointed alone that keeps `keep_bytes` of its op outputs (`op_options`),
+    from its one-block `segment` element.
+
+    [constraint] it leaves its boundary and the kept outputs resident; its forward holds
+    the kept outputs on top of a checkpointed forward; its backward is the segment's: the
+    recompute rebuilds the rest, so all it saves exists again at once, as without keeping.
+    """
+    return segment._replace(
+        forward_bytes=segment.forward_bytes + keep_bytes, resident_bytes=segment.resident_bytes + keep_bytes
+    )
+
+
+def plan_elements(cost: StepCost, segments: Segments, keeps: Keeps | None = None) -> Iterator[tuple[Element, int]]:
+    """The elements of a plan (validated `segments`; `keeps` validated by
+    `op_options.validate_keeps`) left to right, with their `boundary_shift`."""
     terms = step_terms(cost)
     starts = {a: b for a, b in segments}
+    keeps = keeps or {}
     i, kept_before, n = 0, False, cost.n_blocks
     while i < n:
         if i in starts:
             el = next(e for e in segment_elements(cost, i, terms) if e.last == starts[i])
+            if keeps.get(i):
+                el = selective_element(el, kept_bytes(cost.blocks[i], keeps[i]))
         else:
             el = kept_element(cost, i, terms)
         yield el, boundary_shift(cost, i, el.checkpointed, kept_before)
         i, kept_before = el.last + 1, not el.checkpointed
 
 
-def predict_peak(cost: StepCost, segments: Segments) -> PeakBreakdown:
-    """Peak bytes of a whole training step under `segments` (already validated), by phase.
+def predict_peak(cost: StepCost, segments: Segments, keeps: Keeps | None = None) -> PeakBreakdown:
+    """Peak bytes of a whole training step under `segments` (already validated) and the op
+    outputs `keeps` keeps in blocks checkpointed alone (`selective_element`), by phase.
 
     [recurrence] the elements left to right, R_e summing what those before e leave
     resident (shifts included):
@@ -257,7 +278,7 @@ def predict_peak(cost: StepCost, segments: Segments) -> PeakBreakdown:
     resident = 0
     fwd, bwd, bwd_at = 0, base_bytes(cost), -1
     kept_last = False
-    for el, shift in plan_elements(cost, segments):
+    for el, shift in plan_elements(cost, segments, keeps):
         fwd = max(fwd, resident + shift + el.forward_bytes)
         if resident + shift + el.backward_bytes >= bwd:
             bwd, bwd_at = resident + shift + el.backward_bytes, el.backward_block
@@ -373,3 +394,11 @@ def segment_need_rows(a: ElementArrays, p0: int, p1: int, width: int) -> np.ndar
         np.maximum(last[:, 1:], inner[:, :-1], out=last[:, 1:])
     last += (a.static + a.x[rows] - a.xs[rows] - a.W[rows])[:, None]
     return np.maximum(fwd, last, out=fwd)
+
+
+def single_segment_parts(a: ElementArrays) -> tuple[np.ndarray, np.ndarray]:
+    """Forward and backward bytes of every one-block segment [p, p] (`segment_elements`),
+    apart: a selective block adds its kept bytes to the forward only (`selective_element`)."""
+    fwd = a.static + a.fwd_grads + a.f
+    bwd = a.static + a.x - a.xs + a.v - a.W[:-1] + np.maximum(a.bt, a.ft)
+    return fwd, bwd

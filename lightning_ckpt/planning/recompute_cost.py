@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from lightning_ckpt.planning.costs import StepCost
 from lightning_ckpt.planning.machine_rates import MachineRates
+from lightning_ckpt.planning.op_options import Keeps, kept_value
 
 Segments = Sequence[tuple[int, int]]
 
@@ -89,7 +90,11 @@ def segment_overhead(metric: str, rates: MachineRates | None) -> float:
     return 1e3 * rates.segment_s if metric == "time" and rates is not None else 0  # an int: FLOPs stay exact
 
 
-def recompute_cost(cost: StepCost, segments: Segments, metric: str = "flops") -> float:
-    """Recompute cost of a plan: every checkpointed block is rebuilt exactly once."""
+def recompute_cost(cost: StepCost, segments: Segments, metric: str = "flops", keeps: Keeps | None = None) -> float:
+    """Recompute cost of a plan: every checkpointed block is rebuilt exactly once, less
+    what the op outputs `keeps` keeps (blocks checkpointed alone, `op_options`) avoid."""
     rates = metric_rates(cost, metric)
-    return sum(segment_cost(cost, a, b, metric, rates) for a, b in segments)
+    total = sum(segment_cost(cost, a, b, metric, rates) for a, b in segments)
+    for p, keys in (keeps or {}).items():
+        total -= kept_value(cost.blocks[p], keys, metric, rates)
+    return total

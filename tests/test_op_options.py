@@ -1,0 +1,205 @@
+"""Op-level options: the per-block frontier, and the joint planner against brute force."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+
+import pytest
+from oracles import all_plans, chainable
+from test_chain_planner import BEAMS, NS_RATES, rich_cost, with_work
+from test_policies import random_cost
+
+from lightning_ckpt.planning.chain_planner import solve_chain
+from lightning_ckpt.planning.costs import BlockCost, OpCost, StepCost
+from lightning_ckpt.planning.memory_model import predict_peak
+from lightning_ckpt.planning.op_options import (
+    block_options,
+    describe_keeps,
+    kept_bytes,
+    option_items,
+    step_options,
+    validate_keeps,
+)
+from lightning_ckpt.planning.recompute_cost import recompute_cost
+
+
+def random_ops(rng: random.Random, block: BlockCost, k: int) -> tuple[OpCost, ...]:
+    """`k` calls of which most are items; their kept bytes sum to about the block's saved
+    bytes (sometimes more: kept random draws are bytes beyond what backward saves)."""
+    ops = []
+    budget = max(block.saved_bytes, 1)
+    for j in range(k):
+        kind = rng.choice(("mm", "mm", "gelu", "bernoulli_", "view"))
+        ops.append(
+            OpCost(
+                op=f"aten.{kind}.default",
+                call_index=j,
+                keep_bytes=rng.randint(0, budget // max(k - 1, 1) + 1),
+                saved=rng.random() < 0.85,
+                keepable=kind != "view",
+                in_tail=rng.random() < 0.1,
+                flops=rng.choice((0, rng.randint(0, max(block.fwd_flops // k, 1)))),
+                mem_bytes=rng.randint(0, 10),
+                rng_bytes=rng.randint(0, 10) if kind == "bernoulli_" else 0,
+            )
+        )
+    return tuple(ops)
+
+
+def with_ops(rng: random.Random, cost: StepCost, max_items: int) -> StepCost:
+    blocks = tuple(
+        BlockCost(**{**b.__dict__, "ops": random_ops(rng, b, rng.randint(0, max_items))}) for b in cost.blocks
+    )
+    return StepCost(**{**cost.__dict__, "blocks": blocks})
+
+
+def brute_frontier(block: BlockCost, metric="flops", rates=None) -> list[tuple[int, float]]:
+    """Every subset of the items: for each kept byte count reached, the best value; dominated dropped."""
+    items = option_items(block)
+    from lightning_ckpt.planning.op_options import op_value
+
+    pts = {}
+    for r in range(len(items) + 1):
+        for sub in itertools.combinations(items, r):
+            w = sum(o.keep_bytes for o in sub)
+            v = sum(op_value(o, block, metric, rates) for o in sub)
+            pts[w] = max(pts.get(w, -1.0), v)
+    front, best = [], 0.0
+    for w in sorted(pts):
+        if pts[w] > best:
+            front.append((w, pts[w]))
+            best = pts[w]
+    return front
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_block_options_are_the_exact_frontier(seed):
+    rng = random.Random(seed)
+    cost = with_ops(rng, random_cost(rng, 1), 9)
+    blk = cost.blocks[0]
+    got = [(o.keep_bytes, o.value) for o in block_options(blk, "flops", None)]
+    assert got == brute_frontier(blk)
+    for o in block_options(blk, "flops", None):
+        assert kept_bytes(blk, o.keys) == o.keep_bytes
+
+
+def test_max_options_keeps_the_heaviest_and_spreads():
+    ops = tuple(OpCost("aten.mm.default", j, keep_bytes=2**j, saved=True, keepable=True, flops=2**j) for j in range(6))
+    blk = BlockCost("b", saved_bytes=100, input_bytes=1, fwd_flops=100, ops=ops)
+    full = block_options(blk, "flops", None)
+    assert len(full) == 63  # every subset of powers of two is its own frontier point
+    few = block_options(blk, "flops", None, max_options=4)
+    assert len(few) == 4 and few[-1] == full[-1] and few[0] == full[0]
+
+
+def outcomes(cost: StepCost, metric: str) -> list[tuple[float, int, list, dict]]:
+    """(recompute, peak, segments, keeps) of every plan and every choice of frontier option."""
+    opts = step_options(cost, metric, cost.rates)
+    out = []
+    for segs in all_plans(cost.n_blocks):
+        if not chainable(cost, segs):
+            continue
+        singles = [a for a, b in segs if a == b and opts[a]]
+        for pick in itertools.product(*[range(len(opts[p]) + 1) for p in singles]):
+            keeps = {p: opts[p][j - 1].keys for p, j in zip(singles, pick) if j}
+            out.append((recompute_cost(cost, segs, metric, keeps), predict_peak(cost, segs, keeps).peak_bytes, segs, keeps))
+    return out
+
+
+def check_against(cost: StepCost, budget: int, plans: list, metric: str, beam) -> None:
+    fits = [(c, p) for c, p, _, _ in plans if p <= budget]
+    sol = solve_chain(cost, budget, metric, beam=beam, granularity="op")
+    if not fits:
+        assert sol is None, (budget, sol)
+        return
+    assert sol is not None, budget
+    expected = min(fits)
+    keeps = validate_keeps(cost, sol.segments, sol.keeps)
+    got = (recompute_cost(cost, sol.segments, metric, keeps), predict_peak(cost, sol.segments, keeps).peak_bytes)
+    if metric == "flops":
+        assert got == expected, (budget, got, expected, sol)
+    else:  # estimated times: the planner sums whole nanoseconds, the oracle float ms
+        assert got[0] == pytest.approx(expected[0], abs=1e-5) and got[1] <= budget
+    assert sol.peak_bytes == got[1]
+
+
+@pytest.mark.parametrize("seed", range(150))
+def test_joint_planner_equals_brute_force(seed):
+    """Up to 5 blocks x up to 6 frontier options each, every solver mode, several budgets."""
+    rng = random.Random(50_000 + seed)
+    n = rng.randint(1, 5 if seed % 3 else 4)
+    base = random_cost(rng, n) if seed % 2 else rich_cost(rng, n, huge=False)
+    cost = with_ops(rng, base, 3 if n == 5 else 4)
+    opts = step_options(cost, "flops", None)
+    assert all(len(o) <= 15 for o in opts)
+    plans = outcomes(cost, "flops")
+    peaks = sorted({p for _, p, _, _ in plans})
+    budgets = [rng.choice(peaks) for _ in range(3)] + [rng.randint(peaks[0] - 5, peaks[-1] + 5)]
+    for budget in budgets:
+        for beam in BEAMS:
+            check_against(cost, budget, plans, "flops", beam)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_joint_planner_time_metric_equals_brute_force(seed):
+    rng = random.Random(70_000 + seed)
+    n = rng.randint(1, 4)
+    cost = with_ops(rng, with_work(rng, random_cost(rng, n), NS_RATES), 4)
+    plans = outcomes(cost, "time")
+    peaks = sorted({p for _, p, _, _ in plans})
+    for budget in (rng.choice(peaks), rng.choice(peaks)):
+        check_against(cost, budget, plans, "time", 0)
+
+
+def test_op_plans_never_cost_more_than_block_plans():
+    rng = random.Random(3)
+    for _ in range(40):
+        cost = with_ops(rng, random_cost(rng, rng.randint(2, 12)), 6)
+        lo = predict_peak(cost, [(i, i) for i in range(cost.n_blocks)]).peak_bytes
+        hi = predict_peak(cost, []).peak_bytes
+        for budget in (lo, (lo + hi) // 2, hi):
+            blk = solve_chain(cost, budget, "flops")
+            op = solve_chain(cost, budget, "flops", granularity="op")
+            assert (blk is None) == (op is None) or blk is None
+            if blk is not None:
+                assert op.cost <= blk.cost
+
+
+def test_identical_blocks_48_with_real_sized_options_plan_fast():
+    """48 identical blocks, each with a 16-call frontier: the whole op-level plan in well under 2 s."""
+    rng = random.Random(11)
+    ops = tuple(
+        OpCost(f"aten.{k}.default", j, keep_bytes=rng.randint(1, 40) * 2**16, saved=True, keepable=True,
+               flops=rng.randint(0, 5) * 10**6, mem_bytes=rng.randint(1, 9) * 2**16)
+        for j, k in enumerate(("addmm", "gelu", "bernoulli_", "native_layer_norm") * 4)
+    )
+    blk = BlockCost("enc", saved_bytes=sum(o.keep_bytes for o in ops), input_bytes=2**20, output_bytes=2**20,
+                    fwd_flops=sum(o.flops for o in ops), fwd_mem_bytes=sum(o.mem_bytes for o in ops), ops=ops)
+    cost = StepCost(blocks=tuple(BlockCost(**{**blk.__dict__, "name": f"b{i}"}) for i in range(48)), batch_size=16,
+                    static_bytes=2**24, meta={"rates": NS_RATES.to_dict()})
+    lo = predict_peak(cost, [(i, i) for i in range(48)]).peak_bytes
+    hi = predict_peak(cost, []).peak_bytes
+    n_opts = len(step_options(cost, "time", cost.rates)[0])
+    assert n_opts >= 10
+    for frac in (0.25, 0.5, 0.75):
+        t0 = time.perf_counter()
+        sol = solve_chain(cost, int(lo + frac * (hi - lo)), "time", granularity="op")
+        took = time.perf_counter() - t0
+        assert sol is not None and sol.keeps
+        assert took < 2.0, (frac, took)
+
+
+def test_validate_keeps_errors_say_what_is_wrong():
+    ops = (OpCost("aten.mm.default", 0, 8, True, True, flops=5), OpCost("aten.view.default", 0, 0, True, False))
+    blk = BlockCost("b", saved_bytes=10, input_bytes=1, fwd_flops=5, ops=ops)
+    cost = StepCost(blocks=(blk, BlockCost(**{**blk.__dict__, "name": "c"})), batch_size=1)
+    assert validate_keeps(cost, [(0, 0)], {0: [("aten.mm.default", 0)], 1: []}) == {0: (("aten.mm.default", 0),)}
+    with pytest.raises(ValueError, match="not a checkpointed segment of its own"):
+        validate_keeps(cost, [(0, 1)], {0: [("aten.mm.default", 0)]})
+    with pytest.raises(ValueError, match=r"cannot keep \[\('aten.view.default', 0\)\]"):
+        validate_keeps(cost, [(0, 0)], {0: [("aten.view.default", 0)]})
+    with pytest.raises(ValueError, match="the chain has 2 blocks"):
+        validate_keeps(cost, [(0, 0)], {5: [("aten.mm.default", 0)]})
+    assert describe_keeps(blk, [("aten.mm.default", 0)]) == "keeps: mm; recomputes: nothing"
