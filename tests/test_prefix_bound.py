@@ -13,7 +13,8 @@ from lightning_ckpt.planning.prefix_bound import PrefixBound, _lower_hull
 
 def test_lower_hull_drops_points_above_chords_and_keeps_least_y_per_x():
     pts = [(0, 0), (2, 5), (1, 1), (2, 2), (4, 4), (3, 4)]
-    assert _lower_hull(pts) == [(0, 0), (2, 2), (4, 4)]  # (1, 1) lies on the chord
+    assert _lower_hull(pts) == [(0, 0), (4, 4)]  # (1, 1) and (2, 2) lie on the chord
+    assert _lower_hull([(0, 0), (1, 0), (2, 3), (3, 3)]) == [(0, 0), (1, 0), (3, 3)]
 
 
 @pytest.mark.parametrize("seed", range(80))
