@@ -160,6 +160,8 @@ def test_infeasible_target_names_largest_batch():
         ({"target_batch_size": 8, "batch_multiple": 8}, r"batch_multiple=8 only applies to target_batch_size='max'"),
         ({"target_batch_size": 8, "cost_metric": "joules"}, r"cost_metric='joules' is not known; choose 'flops' .*'ms' .*or 'time'"),
         ({"target_batch_size": 8, "check_batch_size": 0}, r"check_batch_size=0 must be a positive integer"),
+        ({"target_batch_size": 8, "granularity": "layer"}, r"granularity='layer' is not known; choose 'block' .* or 'op'"),
+        ({"target_batch_size": 8, "policy": "full", "granularity": "op"}, r"granularity='op' is planned by policy='optimal' only"),
         ({"target_batch_size": 8, "policy": "every_k", "every_k": 0}, r"every_k=0 must be a positive integer"),
         ({"target_batch_size": 8, "memory_budget": True}, r"memory_budget=True is a bool"),
         ({"target_batch_size": 8, "memory_budget": [1]}, r"memory_budget=\[1\] has type list"),

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from lightning_ckpt.planning.op_options import GRANULARITIES
 from lightning_ckpt.planning.policies import POLICIES
 from lightning_ckpt.planning.recompute_cost import COST_METRICS
 
@@ -35,7 +36,7 @@ def check_target(target_batch_size: Any, batch_multiple: Any) -> None:
         )
 
 
-def check_policy(policy: Any, every_k: Any, cost_metric: Any) -> None:
+def check_policy(policy: Any, every_k: Any, cost_metric: Any, granularity: Any = "block") -> None:
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r} is not a known policy; choose one of {', '.join(POLICIES)}.")
     if every_k is not None:
@@ -49,6 +50,16 @@ def check_policy(policy: Any, every_k: Any, cost_metric: Any) -> None:
         raise ValueError(
             f"cost_metric={cost_metric!r} is not known; choose 'flops' (counted FLOPs, deterministic), "
             "'ms' (forward timed once per block) or 'time' (estimated from FLOPs and bytes at measured rates)."
+        )
+    if granularity not in GRANULARITIES:
+        raise ValueError(
+            f"granularity={granularity!r} is not known; choose 'block' (checkpoint whole blocks) or 'op' (a block "
+            "checkpointed alone may also keep some of its op outputs: selective checkpointing)."
+        )
+    if granularity == "op" and policy != "optimal":
+        raise ValueError(
+            f"granularity='op' is planned by policy='optimal' only (it chooses the op outputs to keep), but "
+            f"policy={policy!r}; set policy='optimal' or granularity='block'."
         )
 
 

@@ -62,6 +62,8 @@ class ActivationCheckpointing(Callback):
             ``flops`` (FLOPs counted by torch: independent of the machine, but layer norm,
             softmax, GELU and dropout count 0, so blocks made of them look free) or ``ms``
             (each block's forward timed once while profiling: noisy).
+        granularity: ``block`` checkpoints whole blocks; ``op`` (with ``policy="optimal"``) also lets a
+            block checkpointed alone keep some op outputs (matmuls, dropout masks) and recompute the rest.
         batch_arg_name: attribute holding the loader's batch size (module, hparams or datamodule).
         probe_batch_sizes: the two small batch sizes profiled, slices of the first training batch
             (so at most its size); bytes are fitted as a line in them.
@@ -89,6 +91,7 @@ class ActivationCheckpointing(Callback):
         policy: str = "optimal",
         every_k: int | None = None,
         cost_metric: Literal["flops", "ms", "time"] = "time",
+        granularity: Literal["block", "op"] = "block",
         batch_arg_name: str = "batch_size",
         probe_batch_sizes: tuple[int, int] = (1, 2),
         check_batch_size: int | None = 4,
@@ -104,15 +107,15 @@ class ActivationCheckpointing(Callback):
         super().__init__()
         arguments.check_target(target_batch_size, batch_multiple)
         self.memory_budget = None if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
-        arguments.check_policy(policy, every_k, cost_metric)
+        arguments.check_policy(policy, every_k, cost_metric, granularity)
         self.blocks = arguments.check_blocks(blocks)
         self.probe_batch_sizes = arguments.check_probes(probe_batch_sizes, check_batch_size)
         self.target_batch_size, self.batch_multiple = target_batch_size, batch_multiple
-        self.policy, self.every_k, self.cost_metric = policy, every_k, cost_metric
+        self.policy, self.every_k, self.cost_metric, self.granularity = policy, every_k, cost_metric, granularity
         self.batch_arg_name, self.check_batch_size = batch_arg_name, check_batch_size
         self.guard_batchnorm, self.verbose, self.strict_resume = guard_batchnorm, verbose, strict_resume
-        self.measure_peak, self.report, self.plan_only = measure_peak, report, plan_only
-        self.tune_allocator, self._fit_memory = tune_allocator, None
+        self.measure_peak, self.report, self.plan_only, self.tune_allocator = measure_peak, report, plan_only, tune_allocator
+        self._fit_memory = None
 
         self.plan: Plan | None = None
         self.profile: Profile | None = None
@@ -238,7 +241,7 @@ class ActivationCheckpointing(Callback):
         if not trainer.is_global_zero:
             return None  # every rank profiles (ZeRO-3 gathers parameters collectively); only rank 0 plans
         self._static = strategy_static_memory(trainer, pl_module)
-        request = target_plan.PlanRequest(self._budget_bytes, self.policy, self.every_k, self.cost_metric)
+        request = target_plan.PlanRequest(self._budget_bytes, self.policy, self.every_k, self.cost_metric, self.granularity)
         if find_max:
             plan, self.cost = target_plan.plan_for_max(self.profile, self._static, request, self.batch_multiple)
             rank_zero_info(

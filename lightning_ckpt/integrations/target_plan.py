@@ -24,6 +24,7 @@ class PlanRequest:
     policy: str
     every_k: int | None
     cost_metric: str
+    granularity: str = "block"
 
 
 def cost_at(profile: Profile, batch_size: int, static: StaticMemory) -> StepCost:
@@ -41,14 +42,16 @@ def plan_for_target(profile: Profile, static: StaticMemory, request: PlanRequest
     cost = cost_at(profile, target, static)
     try:
         plan = make_plan(
-            cost, request.policy, request.budget_bytes, every_k=request.every_k, metric=request.cost_metric
+            cost, request.policy, request.budget_bytes, every_k=request.every_k, metric=request.cost_metric,
+            granularity=request.granularity,
         )
     except InfeasibleBudgetError:
         plan = None
     if plan is not None and plan.fits:
         return plan, cost
     largest, _ = largest_batch(
-        lambda b: cost_at(profile, b, static), request.budget_bytes, "optimal", upper=target, metric=request.cost_metric
+        lambda b: cost_at(profile, b, static), request.budget_bytes, "optimal", upper=target, metric=request.cost_metric,
+        granularity=request.granularity,
     )
     got = f"needs {format_bytes(plan.predicted_peak_bytes)}" if plan is not None else "cannot fit"
     hint = (
@@ -67,7 +70,7 @@ def plan_for_max(profile: Profile, static: StaticMemory, request: PlanRequest, m
     """The plan at the largest multiple of `multiple` that fits, and its cost."""
     best, plan = largest_batch(
         lambda b: cost_at(profile, b, static), request.budget_bytes, request.policy, multiple,
-        every_k=request.every_k, metric=request.cost_metric,
+        every_k=request.every_k, metric=request.cost_metric, granularity=request.granularity,
     )
     if plan is None:
         raise InfeasibleBudgetError(

@@ -15,10 +15,13 @@ from lightning_ckpt.planning.policies import InfeasibleBudgetError, make_plan
 CostAt = Callable[[int], StepCost]
 
 
-def plan_if_fits(cost: StepCost, budget_bytes: int, policy: str = "optimal", every_k: int | None = None, metric: str = "flops") -> Plan | None:
+def plan_if_fits(
+    cost: StepCost, budget_bytes: int, policy: str = "optimal", every_k: int | None = None, metric: str = "flops",
+    granularity: str = "block",
+) -> Plan | None:
     """The policy's plan when it fits the budget, else None."""
     try:
-        plan = make_plan(cost, policy, budget_bytes, every_k=every_k, metric=metric)
+        plan = make_plan(cost, policy, budget_bytes, every_k=every_k, metric=metric, granularity=granularity)
     except InfeasibleBudgetError:
         return None
     return plan if plan.fits else None
@@ -33,6 +36,7 @@ def largest_batch(
     limit: int = 1 << 20,
     every_k: int | None = None,
     metric: str = "flops",
+    granularity: str = "block",
 ) -> tuple[int, Plan | None]:
     """(B, plan at B): the largest multiple of `multiple` whose plan fits; (0, None) if none.
 
@@ -43,7 +47,7 @@ def largest_batch(
         raise ValueError(f"batch_multiple={multiple} must be a positive integer (e.g. 8).")
 
     def fits(k: int) -> Plan | None:  # k counts multiples
-        return plan_if_fits(cost_at(k * multiple), budget_bytes, policy, every_k, metric)
+        return plan_if_fits(cost_at(k * multiple), budget_bytes, policy, every_k, metric, granularity)
 
     lo, lo_plan = 0, None
     if upper is not None:

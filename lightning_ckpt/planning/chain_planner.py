@@ -78,7 +78,9 @@ this solver is tested against (a forward DP, brute force) are in tests/oracles.p
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -102,6 +104,22 @@ class ChainSolution:
     peak_bytes: int
     segments: Segments
     keeps: dict[int, tuple[OpKey, ...]] = field(default_factory=dict)
+    lower_bound: float | None = None  # when the time limit stopped the search: no plan costs less
+
+    @property
+    def gap(self) -> float:
+        """How far above the optimum this plan may be, relative to its cost (0.0: exact)."""
+        if self.lower_bound is None or self.cost <= 0:
+            return 0.0
+        return max(0.0, (self.cost - self.lower_bound) / self.cost)
+
+
+class _OutOfTime(Exception):
+    """The exact run passed its deadline; carries the lower bound it had proven (solver units)."""
+
+    def __init__(self, lower_bound: float) -> None:
+        super().__init__(lower_bound)
+        self.lower_bound = lower_bound
 
 
 def solve_chain(
@@ -113,12 +131,18 @@ def solve_chain(
     beam: int | None = None,
     granularity: str = "block",
     max_options: int | None = None,
+    time_limit_s: float | None = None,
 ) -> ChainSolution | None:
     """Least recompute within `budget_bytes`, ties broken by the lowest peak; None if nothing fits.
 
     granularity="op" adds, for every block, its op-level options (`op_options`: keep some
     op outputs, recompute the rest) as one-block segments of their own resident and
     cost; `max_options` caps how many of each block's frontier are offered.
+
+    time_limit_s: when the exact run is still going after this long, return the best plan
+    found so far (the beam run's) with `lower_bound`: the least cost any plan could have,
+    proven from the states not yet extended (their cost so far plus the prefix bound)
+    and everything already pruned; `gap` says how far above the optimum it can be.
 
     [bound] First a beam run (the same DP keeping only the few most promising states
     per position) finds a good feasible plan; its cost is an upper bound U. Then the
@@ -139,17 +163,27 @@ def solve_chain(
     if stats is not None:
         stats.clear()
     cap = math.inf
+    deadline = None if time_limit_s is None else time.perf_counter() + float(time_limit_s)
     if beam is None:
         beam = _BEAM if a.n >= _BEAM_FROM else 0
+    guess = None
     if beam:
         guess = _solve(a, budget, max_len, math.inf, lb, stats, beam=beam)
         if guess is not None:
             cap = guess[0]
             if stats is not None:
                 stats["beam_cost"] = guess[1].cost
-    found = _solve(a, budget, max_len, cap, lb, stats)
-    if found is None and cap != math.inf:  # cannot happen (the beam plan survives); stay exact anyway
-        found = _solve(a, budget, max_len, math.inf, lb, stats)
+    try:
+        found = _solve(a, budget, max_len, cap, lb, stats, deadline=deadline)
+        if found is None and cap != math.inf:  # cannot happen (the beam plan survives); stay exact anyway
+            found = _solve(a, budget, max_len, math.inf, lb, stats, deadline=deadline)
+    except _OutOfTime as stop:
+        if guess is None:  # no plan yet: the bounding run's, found fast
+            guess = _solve(a, budget, max_len, math.inf, lb, None, beam=_BEAM)
+        if guess is None:
+            return None  # the beam found nothing; a plan may exist, but none in time
+        bound = min(stop.lower_bound, guess[0])
+        return dataclasses.replace(guess[1], lower_bound=bound / a.cost_scale if a.cost_scale != 1.0 else bound)
     return None if found is None else found[1]
 
 
@@ -158,7 +192,8 @@ _BEAM_FROM = 64  # shorter chains are solved in one uncapped run (`beam=0`)
 
 
 def _solve(
-    a: ChainArrays, budget: int, max_len: int, cap: float, lb: PrefixBound, stats: dict | None, beam: int = 0
+    a: ChainArrays, budget: int, max_len: int, cap: float, lb: PrefixBound, stats: dict | None, beam: int = 0,
+    deadline: float | None = None,
 ) -> tuple[float, ChainSolution] | None:
     """The backward Pareto DP (see the module docstring); `cap` (in solver units) and `beam`
     as in `solve_chain`. Returns the optimum's cost in solver units and the solution."""
@@ -314,6 +349,16 @@ def _solve(
             stats[key + "max_frontier"] = max(stats.get(key + "max_frontier", 0), cand_d.shape[0])
         if not cand_d.shape[0] and not pool_d.shape[0]:
             return None  # nothing left to build on
+        if deadline is not None and p > 0 and time.perf_counter() > deadline:
+            # [bound] every plan either has an element starting at p (a state of F_p, or one
+            # pruned for costing more than `cap`) or a segment across p (a pool option)
+            bound = cap
+            if cand_d.shape[0]:
+                relief_p = np.where((cand_b & SEG) != 0, a.o[p], 0)
+                bound = min(bound, float(np.min(cand_c + lb.bound(p, budget - cand_d + relief_p))))
+            if pool_d.shape[0]:
+                bound = min(bound, float(np.min(pool_c - a.P[p] + lb.bound(p, budget - pool_d))))
+            raise _OutOfTime(bound - lb.slack)
 
     if FD[0].shape[0] == 0:
         return None

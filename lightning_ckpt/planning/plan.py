@@ -44,6 +44,10 @@ class BlockRow:
     fwd_mem_bytes: int = 0  # written by ops without FLOPs (work, not memory held)
     fwd_rng_bytes: int = 0  # written by random-number ops
     fwd_est_ms: float | None = None  # estimated from the three at the machine rates, when measured
+    kept_bytes: int = 0  # op outputs kept from forward to backward (op-level plans)
+    kept_flops: int = 0  # the FLOPs of the kept calls, not recomputed
+    kept_est_ms: float = 0.0  # their estimated time, not recomputed
+    keeps: str = ""  # what is kept and recomputed, for people (`op_options.describe_keeps`)
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,13 @@ class Plan:
     cost_metric: str = "flops"  # what the planner minimised: flops, ms or time
     recompute_est_ms: float | None = None  # estimated recompute time (the `time` metric), when rates were measured
     rates: dict | None = None  # `MachineRates.to_dict()` behind the estimates
+    granularity: str = "block"  # "op": blocks checkpointed alone may keep op outputs
+    keeps: tuple[tuple[int, tuple[tuple[str, int], ...]], ...] = ()  # (block, kept op calls), ascending
+
+    @property
+    def keep_ops(self) -> dict[int, tuple[tuple[str, int], ...]]:
+        """{block: the op calls it keeps} for blocks checkpointed selectively."""
+        return dict(self.keeps)
 
     @property
     def checkpointed(self) -> tuple[int, ...]:
@@ -85,24 +96,27 @@ class Plan:
         head = f"{'block':>5}  {'name':<28} {'decision':<12} {'seg':>4} {'saved':>10} {'boundary':>10} {'recompute':>11}"
         if estimated:
             head += f" {'est. ms':>8}"
+        selective = f", {len(self.keeps)} of them keep op outputs" if self.keeps else ""
         lines = [
             f"lightning-ckpt plan: policy={self.policy}, batch_size={self.batch_size}, "
-            f"{len(self.checkpointed)}/{self.n_blocks} blocks checkpointed in {len(self.segments)} segment(s), "
-            f"cost_metric={self.cost_metric}",
+            f"{len(self.checkpointed)}/{self.n_blocks} blocks checkpointed in {len(self.segments)} segment(s)"
+            f"{selective}, cost_metric={self.cost_metric}",
             head,
             "-" * len(head),
         ]
         for r in self.rows:
-            decision = "checkpoint" if r.checkpointed else "keep"
+            decision = ("selective" if r.keeps else "checkpoint") if r.checkpointed else "keep"
             seg = str(r.segment) if r.segment >= 0 else "-"
-            recompute = format_flops(r.fwd_flops) if r.checkpointed else "0"
+            recompute = format_flops(r.fwd_flops - r.kept_flops) if r.checkpointed else "0"
             name = r.name if len(r.name) <= 28 else "..." + r.name[-25:]
             line = (
                 f"{r.index:>5}  {name:<28} {decision:<12} {seg:>4} {format_bytes(r.saved_bytes):>10} "
                 f"{format_bytes(r.input_bytes):>10} {recompute:>11}"
             )
             if estimated:
-                line += f" {(r.fwd_est_ms or 0.0) if r.checkpointed else 0.0:>8.2f}"
+                line += f" {(r.fwd_est_ms or 0.0) - r.kept_est_ms if r.checkpointed else 0.0:>8.2f}"
+            if r.keeps:
+                line += f"  {r.keeps} (+{format_bytes(r.kept_bytes)})"
             lines.append(line)
         lines.append("-" * len(head))
         budget = format_bytes(self.budget_bytes) if self.budget_bytes is not None else "none"
@@ -146,6 +160,8 @@ class Plan:
             "rates": self.rates,
             "fits": self.fits,
             "rows": [dataclasses.asdict(r) for r in self.rows],
+            "granularity": self.granularity,
+            "keeps": [[p, [list(k) for k in keys]] for p, keys in self.keeps],
         }
 
     @classmethod
@@ -154,4 +170,5 @@ class Plan:
         kw = {k: v for k, v in data.items() if k in keys}
         kw["segments"] = tuple((int(a), int(b)) for a, b in data["segments"])
         kw["rows"] = tuple(BlockRow(**r) for r in data["rows"])
+        kw["keeps"] = tuple((int(p), tuple((str(o), int(i)) for o, i in keys)) for p, keys in data.get("keeps", ()))
         return cls(**kw)

@@ -17,6 +17,14 @@ from lightning_ckpt.planning.memory_model import (
     segment_of,
     validate_segments,
 )
+from lightning_ckpt.planning.op_options import (
+    GRANULARITIES,
+    Keeps,
+    describe_keeps,
+    kept_bytes,
+    kept_value,
+    validate_keeps,
+)
 from lightning_ckpt.planning.plan import BlockRow, Plan, format_bytes
 from lightning_ckpt.planning.recompute_cost import (
     block_recompute,
@@ -124,10 +132,24 @@ def optimal_segments(
     recompute) on the element form of `memory_model`; tests/oracles.py holds the
     brute force and the reference DP it is checked against.
     """
-    found = solve_chain(cost, budget_bytes, metric, max_segment_blocks)
+    return optimal_choice(cost, budget_bytes, metric, max_segment_blocks)[0]
+
+
+def optimal_choice(
+    cost: StepCost, budget_bytes: int, metric: str = "flops", max_segment_blocks: int | None = None,
+    granularity: str = "block",
+) -> tuple[list[tuple[int, int]], dict]:
+    """`optimal_segments` and, at granularity "op", the op calls kept per block (`op_options`)."""
+    if granularity == "op" and not any(b.ops for b in cost.blocks):
+        raise ValueError(
+            "granularity='op' plans which op outputs each block keeps, but this profile has no per-op costs "
+            "(BlockCost.ops is empty for every block). Profile with the per-op profile (profile_model records it), "
+            "or use granularity='block'."
+        )
+    found = solve_chain(cost, budget_bytes, metric, max_segment_blocks, granularity=granularity)
     if found is None:
         raise InfeasibleBudgetError(_infeasible_message(cost, budget_bytes, "optimal"))
-    return found.segments
+    return found.segments, found.keeps
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -150,8 +172,14 @@ def make_plan(
     every_k: int | None = None,
     metric: str = "flops",
     segments: Sequence[tuple[int, int]] | None = None,
+    granularity: str = "block",
+    keeps: Keeps | None = None,
 ) -> Plan:
     """Build the `Plan` of `policy` for `cost`.
+
+    granularity="op" lets `optimal` keep op outputs inside blocks it checkpoints alone
+    (`op_options`); the other policies checkpoint whole blocks. `keeps` gives those op
+    calls by hand, with `segments`.
 
     `none`, `full`, `sqrt` and `every_k` (with `every_k` given) have a fixed shape and
     may not fit: check `plan.fits`. `every_k` without `k` picks the smallest k that
@@ -163,6 +191,8 @@ def make_plan(
     metric_rates(cost, metric)  # an unknown metric, or `time` without measured rates, fails here
     n = cost.n_blocks
     needs_budget = policy in ("greedy", "optimal") or (policy == "every_k" and every_k is None)
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity={granularity!r} is not known; choose one of {', '.join(GRANULARITIES)}.")
     if needs_budget and budget_bytes is None:
         raise ValueError(f"policy={policy!r} chooses blocks to fit a budget, so it needs budget_bytes; none was given.")
     if segments is not None:
@@ -181,14 +211,14 @@ def make_plan(
     elif policy == "greedy":
         segs = greedy_segments(cost, budget_bytes, metric)
     else:
-        segs = optimal_segments(cost, budget_bytes, metric)
+        segs, keeps = optimal_choice(cost, budget_bytes, metric, granularity=granularity)
     segs = validate_segments(n, segs)
     if not _chainable(cost, segs):
         raise ValueError(
             "a segment spans a block that does not take the previous block's output as its first argument; "
             "such blocks can only be checkpointed one per segment."
         )
-    return build_plan(cost, segs, policy if segments is None else "manual", budget_bytes, metric)
+    return build_plan(cost, segs, policy if segments is None else "manual", budget_bytes, metric, keeps, granularity)
 
 
 def _smallest_fitting_k(cost: StepCost, budget_bytes: int) -> list[tuple[int, int]]:
@@ -200,10 +230,17 @@ def _smallest_fitting_k(cost: StepCost, budget_bytes: int) -> list[tuple[int, in
 
 
 def build_plan(
-    cost: StepCost, segments: Sequence[tuple[int, int]], policy: str, budget_bytes: int | None, metric: str = "flops"
+    cost: StepCost,
+    segments: Sequence[tuple[int, int]],
+    policy: str,
+    budget_bytes: int | None,
+    metric: str = "flops",
+    keeps: Keeps | None = None,
+    granularity: str = "block",
 ) -> Plan:
     segs = validate_segments(cost.n_blocks, segments)
-    peak = predict_peak(cost, segs)
+    kept = validate_keeps(cost, segs, keeps)
+    peak = predict_peak(cost, segs, kept)
     owner = segment_of(cost.n_blocks, segs)
     rates = cost.rates  # estimated times are shown whenever the profile measured rates
     rows = tuple(
@@ -212,6 +249,10 @@ def build_plan(
             fwd_mem_bytes=int(b.fwd_mem_bytes),
             fwd_rng_bytes=int(b.fwd_rng_bytes),
             fwd_est_ms=None if rates is None else block_recompute(b, "time", rates),
+            kept_bytes=kept_bytes(b, kept.get(i, ())),
+            kept_flops=int(kept_value(b, kept.get(i, ()), "flops", None)),
+            kept_est_ms=0.0 if rates is None else kept_value(b, kept.get(i, ()), "time", rates),
+            keeps=describe_keeps(b, kept[i]) if i in kept else "",
         )
         for i, b in enumerate(cost.blocks)
     )
@@ -224,11 +265,13 @@ def build_plan(
         peak_phase=peak.phase,
         budget_bytes=None if budget_bytes is None else int(budget_bytes),
         static_bytes=int(cost.static_bytes),
-        recompute_flops=int(recompute_cost(cost, segs, "flops")),
-        recompute_ms=float(recompute_cost(cost, segs, "ms")),
+        recompute_flops=int(recompute_cost(cost, segs, "flops", kept)),
+        recompute_ms=float(recompute_cost(cost, segs, "ms", kept)),
         step_flops=3 * fwd_flops,
         rows=rows,
         cost_metric=metric,
-        recompute_est_ms=None if rates is None else float(recompute_cost(cost, segs, "time")),
+        recompute_est_ms=None if rates is None else float(recompute_cost(cost, segs, "time", kept)),
         rates=None if rates is None else rates.to_dict(),
+        granularity=granularity,
+        keeps=tuple(sorted(kept.items())),
     )
