@@ -203,3 +203,31 @@ def test_validate_keeps_errors_say_what_is_wrong():
     with pytest.raises(ValueError, match="the chain has 2 blocks"):
         validate_keeps(cost, [(0, 0)], {5: [("aten.mm.default", 0)]})
     assert describe_keeps(blk, [("aten.mm.default", 0)]) == "keeps: mm; recomputes: nothing"
+
+
+def test_op_plan_table_and_round_trip():
+    ops = (
+        OpCost("aten.addmm.default", 0, 40, True, True, flops=900),
+        OpCost("aten.gelu.default", 0, 40, True, True, mem_bytes=40),
+        OpCost("aten.bernoulli_.float", 0, 10, True, True, rng_bytes=40),
+        OpCost("aten.addmm.default", 1, 40, True, True, flops=900),
+    )
+    blk = BlockCost("enc", saved_bytes=130, input_bytes=10, output_bytes=10, fwd_flops=1800, fwd_mem_bytes=40,
+                    fwd_rng_bytes=40, ops=ops)
+    cost = StepCost(blocks=tuple(BlockCost(**{**blk.__dict__, "name": f"b{i}"}) for i in range(4)), batch_size=2)
+    none = predict_peak(cost, []).peak_bytes
+    from lightning_ckpt.planning.plan import Plan
+    from lightning_ckpt.planning.policies import make_plan
+
+    block = make_plan(cost, "optimal", none - 100, metric="flops")
+    plan = make_plan(cost, "optimal", none - 100, metric="flops", granularity="op")
+    assert plan.keeps and plan.recompute_flops < block.recompute_flops
+    text = str(plan)
+    assert "selective" in text and "keeps: addmm x2; recomputes: gelu, bernoulli_" in text
+    assert "of them keep op outputs" in text
+    back = Plan.from_dict(plan.to_dict())
+    assert back == plan and back.keep_ops == plan.keep_ops
+    assert plan.predicted_peak_bytes == predict_peak(cost, plan.segments, plan.keep_ops).peak_bytes <= none - 100
+    with pytest.raises(ValueError, match="has no per-op costs"):
+        make_plan(StepCost(blocks=(BlockCost("x", 10, 1, fwd_flops=3),), batch_size=1), "optimal", 10**6,
+                  granularity="op")
