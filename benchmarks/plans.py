@@ -53,10 +53,12 @@ from lightning_ckpt import (  # noqa: E402
 from lightning_ckpt.apply import apply_segments  # noqa: E402
 from lightning_ckpt.planning.plan import Plan, format_bytes  # noqa: E402
 
-POLICIES = ("none", "full", "every_k", "sqrt", "greedy", "optimal", "optimal-time")
+POLICIES = ("none", "full", "every_k", "sqrt", "greedy", "optimal", "optimal-time", "optimal-op")
 # "optimal-time": the optimal policy with cost_metric="time" (FLOPs, memory-bound and
 # random bytes at the machine rates measured with the profile) instead of counted FLOPs.
-OPTIMALS = ("optimal", "optimal-time")
+# "optimal-op": optimal-time at granularity="op": a block checkpointed alone may keep
+# some of its op outputs (matmuls, dropout masks) and recompute the rest.
+OPTIMALS = ("optimal", "optimal-time", "optimal-op")
 FRACTIONS = (0.25, 0.50, 0.75)
 BASELINES = ("full", "every_k", "sqrt", "greedy")
 
@@ -81,6 +83,7 @@ class Variant:
 
     label: str
     segments: tuple
+    keeps: tuple = ()  # (block, kept op calls) of an op-level plan
     measured_peak: int = 0
     step_flops: int = 0
     times: list[float] = field(default_factory=list)  # on the chosen clock
@@ -146,6 +149,8 @@ def plan_case(case: Case) -> tuple[dict[float, int], dict[tuple[float, str], Pla
             try:
                 if policy == "optimal-time":
                     plans[(f, policy)] = make_plan(cost, "optimal", budget, metric="time")
+                elif policy == "optimal-op":
+                    plans[(f, policy)] = make_plan(cost, "optimal", budget, metric="time", granularity="op")
                 else:
                     plans[(f, policy)] = make_plan(cost, policy, budget)
             except InfeasibleBudgetError:
@@ -155,7 +160,7 @@ def plan_case(case: Case) -> tuple[dict[float, int], dict[tuple[float, str], Pla
 
 def measure_variant(case: Case, v: Variant) -> None:
     """Tracker peak and total FLOPs of one step under the plan (once: the tracker is slow)."""
-    handle = apply_segments(case.blocks, v.segments)
+    handle = apply_segments(case.blocks, v.segments, keep_ops=dict(v.keeps))
     try:
         v.measured_peak = measure_step_peak(case.model, case.loss_fn, case.batch, case.optimizer)
         # A separate step: FlopCounterMode's module tracking holds on to tensors, so
@@ -177,7 +182,7 @@ def time_variants(case: Case, variants: list[Variant], repeats: int, steps: int,
     for r in range(repeats):
         k = r % len(variants)
         for v in variants[k:] + variants[:k]:
-            handle = apply_segments(case.blocks, v.segments)
+            handle = apply_segments(case.blocks, v.segments, keep_ops=dict(v.keeps))
             try:
                 gc.collect()
                 _step(case)  # warm-up: hooks installed, allocator settled
@@ -203,8 +208,11 @@ def _describe(plan: Plan, names: list[str]) -> str:
     else:
         head = ""
     if len(names) > 12:
-        return f"{head}{len(plan.checkpointed)}/{len(names)} blocks in {len(plan.segments)} seg"
+        sel = f", {len(plan.keeps)} selective" if plan.keeps else ""
+        return f"{head}{len(plan.checkpointed)}/{len(names)} blocks in {len(plan.segments)} seg{sel}"
     segs = [names[a] if a == b else f"{names[a]}..{names[b]}" for a, b in plan.segments]
+    if plan.keeps:
+        head += f"{len(plan.keeps)} selective: "
     return head + ", ".join(segs)
 
 
@@ -256,8 +264,8 @@ def run_case(case: Case, repeats: int, steps: int, none_copies: int, clock: str)
     # distinct plans, labelled by the first policy that produced them
     variants: dict[tuple, Variant] = {}
     for (f, policy), plan in plans.items():
-        if plan is not None and plan.segments not in variants:
-            variants[plan.segments] = Variant(policy, plan.segments)
+        if plan is not None and (plan.segments, plan.keeps) not in variants:
+            variants[(plan.segments, plan.keeps)] = Variant(policy, plan.segments, plan.keeps)
     nones = [Variant(f"none#{i + 1}", ()) for i in range(none_copies - 1)]
     for v in variants.values():
         measure_variant(case, v)
@@ -266,7 +274,7 @@ def run_case(case: Case, repeats: int, steps: int, none_copies: int, clock: str)
     share = forward_share(case, max(3, repeats), clock)
     t_total = time.time() - t0
 
-    none = variants[()]
+    none = variants[((), ())]
     none_times = none.times + [t for v in nones for t in v.times]
     none_median = statistics.median(none_times)
     none_medians = [none.median_s] + [v.median_s for v in nones]
@@ -285,7 +293,7 @@ def run_case(case: Case, repeats: int, steps: int, none_copies: int, clock: str)
             if plan is None:
                 rows.append(f"| {case.name} | {label} | {policy} | no plan fits | NO | | | | | | | |")
                 continue
-            v = variants[plan.segments]
+            v = variants[(plan.segments, plan.keeps)]
             err = (plan.predicted_peak_bytes - v.measured_peak) / v.measured_peak
             if plan.predicted_peak_bytes > budget:
                 fits = "NO"
@@ -325,8 +333,23 @@ def run_case(case: Case, repeats: int, steps: int, none_copies: int, clock: str)
                 f"  {int(100 * f)} %: {name} x{opt[0]:.2f} ({'fits' if opt[1] else 'DOES NOT FIT'}) vs {against} "
                 f"-> {'no worse beyond noise' if ok else 'WORSE than noise allows'}"
             )
+    # op-level against block-level optimal (both in `time`): never worse beyond noise, and how much better
+    verdicts["op_vs_block"] = []
+    for f in FRACTIONS:
+        op, blk = ratios.get((f, "optimal-op")), ratios.get((f, "optimal-time"))
+        if op is None or blk is None:
+            notes.append(f"  {int(100 * f)} %: optimal-op or optimal-time found no plan")
+            verdicts["op_vs_block"].append((f, None, False))
+            continue
+        rel = op[0] / blk[0]
+        ok = op[1] and rel <= spread
+        verdicts["op_vs_block"].append((f, rel, ok))
+        notes.append(
+            f"  {int(100 * f)} %: optimal-op x{op[0]:.2f} vs optimal-time x{blk[0]:.2f}: step time x{rel:.3f} "
+            f"({100 * (1 - rel):+.1f} % lower) -> {'no worse beyond noise' if ok else 'WORSE than noise allows'}"
+        )
     full_plan = plans[(FRACTIONS[0], "full")]
-    full_v = variants[full_plan.segments]
+    full_v = variants[(full_plan.segments, ())]
     verdicts["full_ratio"] = full_v.median_s / none_median
     # what one extra forward of the recomputed blocks costs if it runs as fast as the first one
     recompute_of_forward = full_plan.recompute_flops / (full_plan.step_flops / 3)
@@ -396,6 +419,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"{name}, {policy}: fits and is no worse than any fitting baseline beyond noise "
                 f"at every budget: {'yes' if all(oks) else 'NO'}"
             )
+    for name, v in verdicts.items():
+        rels = [rel for _, rel, _ in v["op_vs_block"] if rel is not None]
+        best = f"; best {100 * (1 - min(rels)):.1f} % lower" if rels else ""
+        print(
+            f"{name}, optimal-op vs optimal-time: fits and no worse beyond noise at every budget: "
+            f"{'yes' if all(ok for _, _, ok in v['op_vs_block']) else 'NO'}{best}"
+        )
     if "encoder" in verdicts:
         r, spread = verdicts["encoder"]["full_ratio"], verdicts["encoder"]["spread"]
         print(f"encoder: full step time x{r:.3f} of none (noise {100 * (spread - 1):.1f} %)")
