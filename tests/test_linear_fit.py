@@ -30,6 +30,26 @@ def test_ops_that_differ_between_probes_give_no_op_options():
     assert profile.at(8).blocks[0].ops == ()
 
 
+def test_views_found_in_one_probe_only_are_left_out():
+    """A batch of one may add or drop a `view`: the calls that can be kept still fit."""
+    view = OpCost("aten.view.default", 0, keep_bytes=0, saved=False, keepable=False)
+    profile = Profile((_step(1, (view, *_ops(1))), _step(2, _ops(2))))
+    ops = profile.at(8).blocks[0].ops
+    assert [o.key for o in ops] == [("aten.mm.default", 0), ("aten.gelu.default", 0)]
+    assert ops[1].keep_bytes == 512
+
+
+def test_calls_that_copy_from_batch_two_on_are_fitted_from_the_larger_probes():
+    """At batch one a reshape is a view; from two on it copies (a keepable `clone`)."""
+    clone = lambda b: OpCost("aten.clone.default", 0, keep_bytes=32 * b, saved=True, keepable=True, mem_bytes=32 * b)
+    check = _step(4, (clone(4), *_ops(4)))
+    profile = Profile((_step(1, _ops(1)), _step(2, (clone(2), *_ops(2)))), check=check)
+    ops = profile.at(8).blocks[0].ops
+    assert [o.key for o in ops] == [("aten.clone.default", 0), ("aten.mm.default", 0), ("aten.gelu.default", 0)]
+    assert ops[0].keep_bytes == 256 and ops[1].flops == 8000
+    assert Profile(profile.probes).at(8).blocks[0].ops == ()  # without the check: no options
+
+
 def test_ops_round_trip_through_dicts():
     cost = _step(4, _ops(4))
     again = StepCost.from_dict(cost.to_dict())

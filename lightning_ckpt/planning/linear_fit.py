@@ -44,13 +44,26 @@ _OP_LINEAR = ("keep_bytes", "flops", "mem_bytes", "rng_bytes")
 
 
 def _fit_ops(ops1: tuple[OpCost, ...], ops2: tuple[OpCost, ...], x1: int, x2: int, x: int) -> tuple[OpCost, ...]:
-    """The block's op calls at batch `x`, each of its sizes on its own line. The two probes
-    must list the same calls in the same order; where they do not (the block's ops depend on
-    the batch size), there are no op-level options for the block: an empty tuple."""
-    if [o.key for o in ops1] != [o.key for o in ops2]:
+    """The block's op calls at batch `x`, each of its sizes on its own line, matched by key.
+
+    A batch of one can take other paths for views (an extra `view` or `t`, so their call
+    indices differ), which no plan keeps: calls found in one probe only are left out when
+    neither could be kept. When the calls that could be kept differ (the block's ops depend
+    on the batch size), there are no op-level options for the block: an empty tuple."""
+    first = {o.key: o for o in ops1}
+    second = {o.key: o for o in ops2}
+
+    def keepable(o: OpCost) -> bool:
+        return o.keepable and o.saved
+
+    only = [o for o in ops1 if o.key not in second] + [o for o in ops2 if o.key not in first]
+    if any(keepable(o) for o in only):
         return ()
     fitted = []
-    for o1, o2 in zip(ops1, ops2):
+    for o2 in ops2:
+        o1 = first.get(o2.key)
+        if o1 is None:
+            continue
         kw = {f: int(round(max(0.0, _line(x1, getattr(o1, f), x2, getattr(o2, f), x)))) for f in _OP_LINEAR}
         fitted.append(
             dataclasses.replace(
@@ -91,7 +104,8 @@ class Profile:
         p1, p2 = self.probes
         x1, x2 = p1.batch_size, p2.batch_size
         blocks = []
-        for b1, b2 in zip(p1.blocks, p2.blocks):
+        checks = self.check.blocks if self.check is not None else [None] * len(p1.blocks)
+        for b1, b2, b3 in zip(p1.blocks, p2.blocks, checks):
             kw = dataclasses.asdict(b1)
             for f in _BLOCK_LINEAR:
                 v = max(0.0, _line(x1, getattr(b1, f), x2, getattr(b2, f), batch_size))
@@ -109,6 +123,10 @@ class Profile:
                 kw[tail] = min(kw[tail], kw[whole])
             kw["chains_from_previous"] = b1.chains_from_previous and b2.chains_from_previous
             kw["ops"] = _fit_ops(b1.ops, b2.ops, x1, x2, batch_size)
+            if not kw["ops"] and b3 is not None and batch_size > x2:
+                # a batch of one can run other ops (a reshape that copies from batch two on):
+                # the larger probe and the check then define the calls at larger batches
+                kw["ops"] = _fit_ops(b2.ops, b3.ops, x2, self.check.batch_size, batch_size)
             blocks.append(BlockCost(**kw))
         fields = {
             f: int(round(max(0.0, _line(x1, getattr(p1, f), x2, getattr(p2, f), batch_size)))) for f in _STEP_LINEAR

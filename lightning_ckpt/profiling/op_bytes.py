@@ -11,6 +11,7 @@ slower per byte on CPU. What an op writes is defined in `written_bytes`.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -72,6 +73,9 @@ class OpBytesCounter(TorchDispatchMode):
     FLOPs or bytes done in it, so the machine rates can be measured where the work is.
     Stacked above the FLOP counter, an op is seen once, before the counter decomposes
     it, and the counter's total before and after the op says whether it had FLOPs.
+    `on_op`, when set, is called after each op with `(func, args, kwargs, outs, flops,
+    mem_bytes, rng_bytes)`: its tensor outputs and its own share of the counts
+    (`op_profile.OpProfileRecorder.record` takes exactly these).
     """
 
     def __init__(self, flops: FlopCounterMode) -> None:
@@ -81,6 +85,7 @@ class OpBytesCounter(TorchDispatchMode):
         self.rng_bytes = 0
         self.flop_dtypes: Counter[tuple[str, torch.dtype]] = Counter()
         self.mem_dtypes: Counter[tuple[str, torch.dtype]] = Counter()
+        self.on_op: Callable[..., None] | None = None
 
     def snapshot(self) -> tuple[int, int]:
         """(mem_bytes, rng_bytes) so far."""
@@ -91,19 +96,25 @@ class OpBytesCounter(TorchDispatchMode):
         before = self.flops.get_total_flops()
         out = func(*args, **kwargs)
         flops = self.flops.get_total_flops() - before
-        first = next((t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)), None)
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        first = outs[0] if outs else None
+        mem = rng = 0
         if flops:
             if first is not None:
                 self.flop_dtypes[(str(first.device), first.dtype)] += flops
-            return out
-        nbytes = written_bytes(func, args, kwargs, out)
-        if nbytes:
-            if _is_random(func):
-                self.rng_bytes += nbytes
-            else:
-                self.mem_bytes += nbytes
-            if first is not None and first.is_floating_point():
-                self.mem_dtypes[(str(first.device), first.dtype)] += nbytes
+        else:
+            nbytes = written_bytes(func, args, kwargs, out)
+            if nbytes:
+                if _is_random(func):
+                    rng = nbytes
+                    self.rng_bytes += nbytes
+                else:
+                    mem = nbytes
+                    self.mem_bytes += nbytes
+                if first is not None and first.is_floating_point():
+                    self.mem_dtypes[(str(first.device), first.dtype)] += nbytes
+        if self.on_op is not None:
+            self.on_op(func, args, kwargs, outs, flops, mem, rng)
         return out
 
     def dominant(self) -> dict[str, str]:

@@ -4,7 +4,8 @@ One probe runs `step_fn(batch)` (forward and loss) and `loss.backward()` under a
 live-bytes tracker, a FLOP counter and saved-tensor hooks, with hooks that mark
 each block's forward and backward. It records per block what it saves for
 backward, its boundary tensors, its scratch space, FLOPs, the bytes written by ops
-that have no FLOPs (`op_bytes`) and forward time. Parameters, buffers, gradients and
+that have no FLOPs (`op_bytes`), forward time and, per op call, the same split and
+what keeping it would hold (`op_profile`). Parameters, buffers, gradients and
 RNG state are restored after every probe. `profile_model` also measures the
 machine's rates once (`rates`), so that counted work can be turned into time.
 """
@@ -26,6 +27,7 @@ from lightning_ckpt.planning.machine_rates import MachineRates
 from lightning_ckpt.profiling.batch import batch_size_of, first_tensor, slice_batch, tensors_in
 from lightning_ckpt.profiling.chain_check import receives_output, tensor_version
 from lightning_ckpt.profiling.op_bytes import OpBytesCounter
+from lightning_ckpt.profiling.op_profile import OpProfileRecorder
 from lightning_ckpt.profiling.state import preserved_state
 from lightning_ckpt.profiling.tracker import (
     LiveBytesTracker,
@@ -52,6 +54,7 @@ class _Probe:
         names: Sequence[str],
         work: OpBytesCounter | None = None,
         batch_keys: set | None = None,
+        op_profile: OpProfileRecorder | None = None,
     ):
         self.blocks = list(blocks)
         self.names = list(names)
@@ -60,6 +63,9 @@ class _Probe:
         self.tracker = tracker
         self.flops = flops
         self.work = work
+        # per op call of each block's forward, fed by `work` while the block runs
+        self.op_profile = op_profile if work is not None else None
+        self.ops: list[tuple] = [()] * len(self.blocks)
         self.param_keys = {storage_key(p) for p in model.parameters()}
         # ZeRO-3 and FSDP2 parameters are empty or sharded until gathered: also tell them by identity.
         self.param_ids = {id(p) for p in model.parameters()}
@@ -130,6 +136,9 @@ class _Probe:
         self.flops_at_entry[i] = self.flops.get_total_flops()
         self.flops_at_last_pack[i] = self.flops_at_entry[i]
         self.work_at_entry[i] = self.work_at_last_pack[i] = self._work()
+        if self.op_profile is not None:
+            self.op_profile.begin()
+            self.work.on_op = self.op_profile.record
 
     def post_hook(self, module, args, output):
         i = self._index(module)
@@ -143,6 +152,9 @@ class _Probe:
         self.fwd_transient[i] = max(0, self.tracker.peak_bytes - live)
         self.fwd_flops[i] = self.flops.get_total_flops() - self.flops_at_entry[i]
         self.fwd_work[i] = _minus(self._work(), self.work_at_entry[i])
+        if self.op_profile is not None:
+            self.work.on_op = None
+            self.ops[i] = self.op_profile.end()
         self.current = None
         if out is not None and out.requires_grad:
             out.register_hook(self._bwd_marker(i))
@@ -156,7 +168,11 @@ class _Probe:
         if i is not None:
             key = storage_key(t)
             base = t if t._base is None else t._base
-            if key is not None and key not in self.param_keys and key not in self.batch_keys and id(base) not in self.param_ids:
+            activation = (
+                key is not None and key not in self.param_keys and key not in self.batch_keys
+                and id(base) not in self.param_ids
+            )
+            if activation:
                 first_owner = self.owner.get(key)
                 if first_owner is None:
                     self.owner[key] = i
@@ -171,6 +187,8 @@ class _Probe:
                     self.shared_prev[i] += storage_bytes(t)
             self.flops_at_last_pack[i] = self.flops.get_total_flops()
             self.work_at_last_pack[i] = self._work()
+            if self.op_profile is not None:
+                self.op_profile.packed(key if activation else None)
         return t
 
     @staticmethod
@@ -235,7 +253,7 @@ def probe_step(
         tracker = LiveBytesTracker()
         flops = FlopCounterMode(display=False)
         work = OpBytesCounter(flops)
-        probe = _Probe(model, blocks, tracker, flops, names, work, batch_keys)
+        probe = _Probe(model, blocks, tracker, flops, names, work, batch_keys, OpProfileRecorder())
         handles = []
         for b in blocks:
             handles.append(b.register_forward_pre_hook(probe.pre_hook, with_kwargs=True))
@@ -284,6 +302,7 @@ def probe_step(
             tail_rng_bytes=probe.tail_work(i)[1],
             fwd_ms=fwd_ms[i],
             chains_from_previous=probe.chains[i] if i > 0 else True,
+            ops=probe.ops[i],
         )
         for i in range(len(blocks))
     )
