@@ -112,11 +112,12 @@ def block_options(
 def step_options(
     cost: StepCost, metric: str, rates: MachineRates | None, max_options: int | None = None
 ) -> list[tuple[OpOption, ...]]:
-    """`block_options` of every block; blocks with identical op lists are solved once."""
+    """`block_options` of every block; blocks with identical op lists are solved once (in
+    `ms` an op's value also depends on its block's measured time)."""
     memo: dict[tuple, tuple[OpOption, ...]] = {}
     out = []
     for blk in cost.blocks:
-        sig = (blk.ops, blk.fwd_flops, blk.fwd_mem_bytes, blk.fwd_rng_bytes, blk.fwd_ms)
+        sig = (blk.ops, blk.fwd_flops, blk.fwd_mem_bytes, blk.fwd_rng_bytes, blk.fwd_ms) if metric == "ms" else blk.ops
         if sig not in memo:
             memo[sig] = block_options(blk, metric, rates, max_options)
         out.append(memo[sig])
