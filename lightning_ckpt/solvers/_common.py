@@ -1,19 +1,24 @@
-"""Input checks and exact-arithmetic helpers shared by the knapsack solvers.
+"""Input checks and exact-arithmetic functions shared by the knapsack solvers.
 
 Turns ``(memory, runtimes, max_memory)`` into float64 arrays (or says why it cannot),
-splits off items whose fate the problem statement fixes, and decides exactly whether
-a selection fits the budget.
+splits off items whose fate the problem statement fixes, and holds the one definition
+of "fits" that every solver in this package uses (`fits`, over `budget_limit`).
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from fractions import Fraction
 
 import numpy as np
 
 Result = tuple[float, list[int], list[int]]
+
+# Memory a selection may exceed the budget by, as a power of two of the budget: 2**-40
+# (about 9.1e-13) is representation noise, not excess (see `fits`).
+FIT_ALLOWANCE_LOG2 = -40
 
 
 def as_problem(
@@ -85,17 +90,42 @@ def split_trivial(
     """Split items into (always saved, never saved, to decide).
 
     Zero-memory items with positive runtime are free: always saved. Items with
-    zero runtime gain nothing: never saved. Items heavier than the budget cannot
-    be saved. Everything else is left to the solver.
+    zero runtime gain nothing: never saved. Items that do not fit the budget alone
+    (heavier than ``budget_limit(cap)``) cannot be saved. Everything else is left to
+    the solver.
     """
     free_gain = (w == 0) & (v > 0)
-    useless = (v == 0) | (w > cap)
+    useless = (v == 0) | (w > budget_limit(cap))
     decide = ~(free_gain | useless)
     return np.flatnonzero(free_gain), np.flatnonzero(useless), np.flatnonzero(decide)
 
 
+def budget_limit(cap: float) -> float:
+    """The largest real memory sum that fits budget `cap`: ``cap + cap * 2**-40`` in float64.
+
+    0 stays 0, inf stays inf, a finite budget a finite limit. For whole numbers (byte
+    counts) with ``cap < 2**39`` the limit is below ``cap + 1``, so an integer sum fits
+    iff it is <= `cap`.
+    """
+    return min(cap + math.ldexp(cap, FIT_ALLOWANCE_LOG2), max(cap, sys.float_info.max))
+
+
+def fits(weights: Sequence[float], cap: float) -> bool:
+    """Whether a selection with these memory values fits budget `cap`: the definition.
+
+    True iff the exact real sum of the float64 `weights` is <= ``budget_limit(cap)``,
+    about 1e-12 relative above `cap`. The allowance absorbs representation noise: sizes
+    that are whole multiples of a decimal unit (k x 1e-4) are stored with relative errors
+    near 1e-16, so the real sum of a selection that meets the budget exactly in those
+    units can land a few ulps above the stored budget (``3 * 1e-4 + 2 * 1e-4`` exceeds
+    ``5 * 1e-4`` by 5e-20). Integer sums against integer budgets below 2**39 are decided
+    exactly as ``sum <= cap``.
+    """
+    return fits_exactly(weights, budget_limit(cap))
+
+
 def fits_exactly(weights: Sequence[float], cap: float) -> bool:
-    """True iff the exact real sum of `weights` is <= `cap`.
+    """True iff the exact real sum of `weights` is <= `cap` (no allowance: see `fits`).
 
     ``math.fsum`` is correctly rounded, so a strict comparison against the float
     `cap` settles every case except a rounded sum equal to `cap`; that tie is

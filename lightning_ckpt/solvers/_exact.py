@@ -1,4 +1,4 @@
-"""Exact 0/1 knapsack on integer weights: bounds, reduction, core DP, fallback.
+"""Exact 0/1 knapsack on integer weights: the integer model, bounds, reduction, core DP.
 
 Sources: Dantzig (1957) LP bound; LP-bound variable fixing (Ingargiola and Korsh
 1973; Martello and Toth 1990, sec. 2.7); the core DP of `_core`. Effort is bounded:
@@ -6,6 +6,10 @@ past a state budget the core is re-solved on a coarser grid, and the slack is re
 """
 
 from __future__ import annotations
+
+import dataclasses
+import math
+from fractions import Fraction
 
 import numpy as np
 
@@ -18,7 +22,7 @@ from lightning_ckpt.solvers._core import (
 )
 from lightning_ckpt.solvers._intmodel import IntModel, integer_model
 
-__all__ = ["DEFAULT_STATE_BUDGET", "IntModel", "integer_model", "solve_int"]
+__all__ = ["DEFAULT_STATE_BUDGET", "IntModel", "fit_model", "integer_model", "solve_int"]
 
 # Effort budget: DP states generated before the core is re-solved on a coarser grid.
 DEFAULT_STATE_BUDGET = 10_000_000
@@ -26,6 +30,55 @@ DEFAULT_STATE_BUDGET = 10_000_000
 _CHEAP_ATTEMPT = 200_000
 # Coarser grids tried after the budget runs out: capacity of about 2**bits steps.
 _COARSE_GRID_BITS = (24, 16, 10)
+# Decimal units tried for memory: 10**-j for j = 0..15.
+_DECIMAL_DIGITS = 15
+# Relative distance of memory * 10**j from a whole number still read as that number:
+# representation noise of a value made by a few float operations (k * 1e-4, b / 1e9).
+_UNIT_NOISE = 2.0**-48
+
+
+def fit_model(w: np.ndarray, cap: float, limit: float) -> IntModel:
+    """Integer model of "real sum of `w` <= `limit`" (`limit` = budget_limit(`cap`)).
+
+    An exact binary scaling when one fits in int64 (slack 0); else whole decimal units
+    when every weight is one up to representation noise (slack 0); else memory rounded
+    up to 2**40 steps of `cap` (slack: one step per item). The first and last are built
+    on `cap`, so that the limit's low bits do not shrink the binary scaling, and widened.
+    """
+    model = integer_model(w, cap)
+    if model.slack > 0:
+        decimal = _decimal_model(w, limit)
+        if decimal is not None:
+            return decimal
+    # [constraint] a[i] * step >= w[i], so sum(a) <= floor(limit / step) keeps the real
+    # sum <= limit; with an exact scaling (a[i] * step == w[i]) the converse holds too.
+    widened = math.floor(Fraction(limit) / Fraction(model.step))
+    return dataclasses.replace(model, cap=max(widened, model.cap))
+
+
+def _decimal_model(w: np.ndarray, limit: float) -> IntModel | None:
+    """Memory in whole units of 10**-j (the coarsest that fits), or None.
+
+    [constraint] if |w[i] * 10**j - k[i]| <= (_UNIT_NOISE + 2**-52) * k[i] for every
+    item, and limit * 10**j is farther than 4 * _UNIT_NOISE * max(limit * 10**j, 1) from
+    every whole number, then a selection's real memory sum is <= limit iff its k sum to
+    at most floor(limit * 10**j): noise moves no sum across that gap.
+    """
+    for j in range(_DECIMAL_DIGITS + 1):
+        scale = 10.0**j  # exact in float64
+        with np.errstate(over="ignore", invalid="ignore"):  # inf: never a whole unit
+            ws = w * scale
+            k = np.rint(ws)
+            if not (np.abs(ws - k) <= _UNIT_NOISE * k).all():
+                continue
+        ls = limit * scale
+        if ls >= 2.0**52 or float(k.sum()) >= 2.0**61:
+            return None
+        m = math.floor(ls)
+        if min(ls - m, m + 1 - ls) <= 4 * _UNIT_NOISE * max(ls, 1.0):
+            return None  # the limit itself sits on the grid, up to noise: undecided
+        return IntModel(k.astype(np.int64), m, 1.0 / scale, 0.0)
+    return None
 
 
 def _greedy_fill(s: Sorted, cap: int) -> np.ndarray:

@@ -7,7 +7,7 @@ Hirschberg (1975): two DP rows per half, best capacity split, explicit stack.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 
@@ -92,7 +92,7 @@ def best_split(left: np.ndarray, lim_l: int, right: np.ndarray, lim_r: int, cap:
     return best_at
 
 
-@lru_cache(maxsize=None)
+@cache
 def _subset_masks(k: int) -> np.ndarray:
     codes = np.arange(1 << k)[:, None] >> np.arange(k)[None, :]
     return (codes & 1).astype(bool)
