@@ -5,20 +5,23 @@ forward pre-hook on its first block and closed by a forward hook on its last (th
 pattern of torch's composable `checkpoint`). No module is wrapped or replaced, so
 the module tree and every `state_dict` key stay as they were. RNG and autocast
 state are restored for the recompute by torch; BatchNorm running statistics are
-restored by a recompute-only context so a recompute never updates them.
+restored by a recompute-only context so a recompute never updates them. A block that
+is its own segment may keep some op calls from the forward instead of recomputing
+them (`keep_ops`, built in `apply_selective`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import _checkpoint_without_reentrant_generator
 
+from lightning_ckpt.apply_selective import SelectiveKeep, validate_keep_ops
 from lightning_ckpt.profiling.chain_check import receives_output, tensor_version
 
 __all__ = ["AppliedPlan", "apply_segments", "BatchNormGuard"]
@@ -69,9 +72,16 @@ class _Segment:
     """One checkpointed region spanning blocks[first..last] (a picklable callable object)."""
 
     def __init__(
-        self, blocks: Sequence[nn.Module], first_index: int, guard_batchnorm: bool, determinism_check: str, early_stop: bool
+        self,
+        blocks: Sequence[nn.Module],
+        first_index: int,
+        guard_batchnorm: bool,
+        determinism_check: str,
+        early_stop: bool,
+        selective: SelectiveKeep | None = None,
     ) -> None:
         self.blocks = list(blocks)
+        self.selective = selective
         self.early_stop = early_stop
         self.first_index = first_index
         self.guard_batchnorm = guard_batchnorm
@@ -83,10 +93,14 @@ class _Segment:
         self._last_version: int | None = None
         self._handles: list[Any] = []
 
-    # -- context for the recompute only
+    # -- contexts of the forward and the recompute (the recompute's: hooks off, BatchNorm guarded;
+    # a selective block adds torch's selective checkpoint modes and the replay of kept draws)
     def _context_fn(self):
         guard = BatchNormGuard(self.blocks) if self.guard_batchnorm else None
-        return contextlib.nullcontext(), _RecomputeContext(self, guard)
+        recompute = _RecomputeContext(self, guard)
+        if self.selective is None:
+            return contextlib.nullcontext(), recompute
+        return self.selective.contexts(recompute)
 
     # -- the function the recompute reruns: the whole segment from its input, with the
     # extra arguments each later block received in that same forward (`calls`). Each block
@@ -211,15 +225,19 @@ class _RecomputeContext:
 class AppliedPlan:
     """Handle of an applied plan; `remove()` restores the modules exactly."""
 
-    def __init__(self, segments: list[_Segment], spans: list[tuple[int, int]]) -> None:
+    def __init__(
+        self, segments: list[_Segment], spans: list[tuple[int, int]], keep_ops: dict[int, frozenset[tuple[str, int]]]
+    ) -> None:
         self._segments = segments
         self.segments = spans
+        self.keep_ops = keep_ops  # block index -> the op-call keys kept (an empty set: plain checkpointing)
 
     def remove(self) -> None:
         for seg in self._segments:
             seg.detach()
         self._segments = []
         self.segments = []
+        self.keep_ops = {}
 
     @property
     def active(self) -> bool:
@@ -232,18 +250,27 @@ def apply_segments(
     guard_batchnorm: bool = True,
     determinism_check: str = "default",
     early_stop: bool = True,
+    keep_ops: Mapping[int, Collection[tuple[str, int]]] | None = None,
 ) -> AppliedPlan:
     """Checkpoint each `(first, last)` segment of `blocks`; returns an undo handle.
 
     `early_stop` (torch's default) ends each recompute at the last tensor backward
     needs, skipping the trailing ops of the segment's last block.
+
+    `keep_ops` maps a block that is its own segment `(i, i)` to the op calls of its forward
+    to keep instead of recomputing, each named `(op name, call index)` as
+    `profiling.op_keys.OpCallCounter` numbers them, e.g. `{3: [("aten.addmm.default", 0)]}`.
+    Kept random calls (dropout's `bernoulli_`) keep their draws; the rest draw again as in
+    the forward. Keys the block's first forward never makes raise a ValueError there.
     """
     from lightning_ckpt.planning.memory_model import validate_segments
 
     spans = validate_segments(len(blocks), segments)
+    keeps = validate_keep_ops(keep_ops, spans, len(blocks))
     objs = []
     for a, b in spans:
-        seg = _Segment(blocks[a : b + 1], a, guard_batchnorm, determinism_check, early_stop)
+        selective = SelectiveKeep(a, keeps[a]) if keeps.get(a) else None
+        seg = _Segment(blocks[a : b + 1], a, guard_batchnorm, determinism_check, early_stop, selective)
         seg.attach()
         objs.append(seg)
-    return AppliedPlan(objs, spans)
+    return AppliedPlan(objs, spans, keeps)
