@@ -73,6 +73,36 @@ def test_every_policy_bit_identical_to_no_checkpointing(policy, every_k, budget_
         assert torch.equal(model.last_grads[name], g), name
 
 
+def test_op_level_plan_bit_identical_to_no_checkpointing(budget_midpoint):
+    """granularity='op': some blocks keep op outputs (dropout masks, matmuls); losses and all
+    gradients after 3 steps (fp32, dropout on) equal those without the callback, bit for bit."""
+    cb = ActivationCheckpointing(target_batch_size=8, memory_budget=budget_midpoint, granularity="op", verbose=False)
+    model, _, _ = _fit([cb])
+    reference, _, _ = _fit([])
+    assert cb.plan.keeps and cb.plan.granularity == "op" and cb.plan.fits
+    assert "selective" in str(cb.plan)
+    for a, b in zip(model.losses, reference.losses):
+        assert torch.equal(a, b)
+    for name, g in reference.last_grads.items():
+        assert torch.equal(model.last_grads[name], g), name
+
+
+def test_resume_at_another_granularity_plans_again(tmp_path, budget_midpoint):
+    cb = ActivationCheckpointing(target_batch_size=8, memory_budget=budget_midpoint, verbose=False, report=False)
+    t = make_trainer([cb], max_steps=1)
+    t.fit(LitChain(), datamodule=TokenData(batch_size=8))
+    t.save_checkpoint(tmp_path / "block.ckpt")
+    ckpt = torch.load(tmp_path / "block.ckpt", weights_only=False)
+    state = next(v for k, v in ckpt["callbacks"].items() if "ActivationCheckpointing" in k)
+    strict = ActivationCheckpointing(
+        target_batch_size=8, memory_budget=budget_midpoint, granularity="op", verbose=False, report=False,
+        strict_resume=True,
+    )
+    strict.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"granularity 'block', granularity is 'op'"):
+        _fit([strict], max_steps=1)
+
+
 @pytest.fixture(scope="module")
 def budget_midpoint():
     return _peak_between_full_and_none()[1]

@@ -38,8 +38,8 @@ def encoder_setup():
     return model, opt, batch, loss_fn, profile, cost
 
 
-def _measure(model, opt, batch, loss_fn, segments):
-    handle = apply_segments(list(model.blocks), segments)
+def _measure(model, opt, batch, loss_fn, segments, keep_ops=None):
+    handle = apply_segments(list(model.blocks), segments, keep_ops=keep_ops)
     try:
         return measure_step_peak(model, loss_fn, batch, opt)
     finally:
@@ -76,6 +76,24 @@ def test_optimal_within_3_percent_and_under_budget(encoder_setup):
         other = make_plan(cost, policy, budget, every_k=k)
         if other.fits:
             assert plan.recompute_flops <= other.recompute_flops, policy
+
+
+@pytest.mark.parametrize("frac", [0.25, 0.5, 0.75])
+def test_op_level_plans_fit_and_are_predicted_within_5_percent(encoder_setup, frac):
+    """granularity='op' (cost_metric='time'): the plan keeps op outputs in some blocks, its
+    measured peak is within the budget and within 5 % of the prediction, and it is
+    estimated to recompute less than the block-level plan at the same budget."""
+    model, opt, batch, loss_fn, _, cost = encoder_setup
+    none = make_plan(cost, "none").predicted_peak_bytes
+    full = make_plan(cost, "full").predicted_peak_bytes
+    budget = int(full + frac * (none - full))
+    plan = make_plan(cost, "optimal", budget, metric="time", granularity="op")
+    block = make_plan(cost, "optimal", budget, metric="time")
+    assert plan.keeps and plan.fits
+    assert plan.recompute_est_ms < block.recompute_est_ms
+    measured = _measure(model, opt, batch, loss_fn, plan.segments, plan.keep_ops)
+    assert measured <= budget, (measured, budget)
+    assert abs(plan.predicted_peak_bytes - measured) / measured < 0.05, (plan.predicted_peak_bytes, measured)
 
 
 def test_max_batch_measured_under_budget(encoder_setup):

@@ -234,6 +234,38 @@ def test_batchnorm_statistics_bit_identical_after_three_steps_with_the_optimal_p
         assert torch.equal(p, q), n
 
 
+def test_op_level_plans_fit_predicted_within_5_percent_and_keep_batchnorm_exact(cnn):
+    """granularity='op' at every budget: measured within the budget and 5 % of the prediction;
+    three steps with the 25 % plan leave losses, parameters and BatchNorm buffers bit-identical."""
+    model, opt, batches, loss_fn, names, blocks, _, cost = cnn
+    plans = {f: make_plan(cost, "optimal", b, metric="time", granularity="op") for f, b in _budgets(cost).items()}
+    assert any(p.keeps for p in plans.values())
+    for f, plan in plans.items():
+        handle = apply_segments(blocks, plan.segments, keep_ops=plan.keep_ops)
+        try:
+            measured = measure_step_peak(model, loss_fn, batches[0], opt)
+        finally:
+            handle.remove()
+        assert measured <= plan.budget_bytes, (f, measured, plan.budget_bytes)
+        assert abs(plan.predicted_peak_bytes - measured) / measured < 0.05, (f, plan.predicted_peak_bytes, measured)
+    plan = next(p for p in plans.values() if p.keeps)
+    torch.manual_seed(1)
+    plain = ex.ShapesResNet()
+    ckpt = copy.deepcopy(plain)
+    ckpt_blocks = resolve_blocks(ckpt, CHAIN)[2]
+    handle = apply_segments(ckpt_blocks, plan.segments, keep_ops=plan.keep_ops)
+    try:
+        losses_ckpt = _train(ckpt, batches)
+    finally:
+        handle.remove()
+    assert torch.equal(torch.stack(_train(plain, batches)), torch.stack(losses_ckpt))
+    ref, got = _norm_buffers(plain), _norm_buffers(ckpt)
+    for name in ref:
+        assert torch.equal(ref[name], got[name]), name
+    for (n, p), (_, q) in zip(plain.named_parameters(), ckpt.named_parameters()):
+        assert torch.equal(p, q), n
+
+
 def test_without_the_guard_the_recompute_updates_batchnorm_twice(cnn):
     """The control for the test above: it would notice a double update."""
     *_, cost = cnn

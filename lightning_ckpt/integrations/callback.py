@@ -218,7 +218,8 @@ class ActivationCheckpointing(Callback):
             loaded, self._loaded = self._loaded, None
             signature = resume.block_signature(self.block_names, self._blocks)
             resumed = resume.resumed_plan(
-                loaded, signature, self.target_batch_size, self._budget_bytes, self.policy, strict=self.strict_resume
+                loaded, signature, self.target_batch_size, self._budget_bytes, self.policy, strict=self.strict_resume,
+                granularity=self.granularity,
             )
             if resumed is None:
                 return plan_fn()

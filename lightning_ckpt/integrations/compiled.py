@@ -11,7 +11,7 @@ import dataclasses
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_ckpt.apply import AppliedPlan, apply_segments
 from lightning_ckpt.apply_compiled import apply_compiled_segments, compiled_modules, eager_only
@@ -58,7 +58,14 @@ def apply_plan(
     segments = plan.segments
     compiled = compiled_by(pl_module, blocks)
     if not compiled:
-        return apply_segments(blocks, segments, guard_batchnorm=guard_batchnorm)
+        return apply_segments(blocks, segments, guard_batchnorm=guard_batchnorm, keep_ops=plan.keep_ops)
+    if plan.keeps:
+        rank_zero_warn(
+            f"lightning-ckpt: the plan keeps op outputs in {len(plan.keeps)} block(s) (granularity='op'), but the "
+            f"model is compiled ({', '.join(compiled)}): inside a compiled graph those blocks are checkpointed whole, "
+            "which recomputes more and holds less than the plan says. Use granularity='block' with torch.compile, "
+            "or train the blocks eagerly to keep op outputs."
+        )
     if any(b > a for a, b in segments):  # a plan made before compiling (resumed from a checkpoint)
         rank_zero_info(
             f"lightning-ckpt: the plan has segments of several blocks, but the model is compiled "

@@ -60,6 +60,7 @@ def resumed_plan(
     policy: str,
     *,
     strict: bool,
+    granularity: str = "block",
 ) -> ResumedPlan | None:
     """The plan of a loaded callback state when it matches this run; None to plan again."""
     if not loaded or loaded.get("plan") is None:
@@ -75,6 +76,8 @@ def resumed_plan(
         problems.append(f"the plan is for batch {plan.batch_size}, target_batch_size is {target_batch_size}")
     if loaded.get("budget_bytes") != budget_bytes or loaded.get("policy") != policy:
         problems.append("memory_budget or policy changed")
+    if plan.granularity != granularity:
+        problems.append(f"the plan is at granularity {plan.granularity!r}, granularity is {granularity!r}")
     if problems:
         msg = f"lightning-ckpt: the checkpoint's plan does not match this run: {'; '.join(problems)}."
         if strict:
