@@ -12,10 +12,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lightning_ckpt.apply import AppliedPlan, apply_segments
-from lightning_ckpt.planning.costs import BlockCost, StepCost
+from lightning_ckpt.planning.costs import BlockCost, OpCost, StepCost
 from lightning_ckpt.planning.linear_fit import Profile
 from lightning_ckpt.planning.machine_rates import MachineRates
 from lightning_ckpt.planning.memory_model import predict_peak
+from lightning_ckpt.planning.op_options import GRANULARITIES, OpOption, block_options
 from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.planning.policies import POLICIES, InfeasibleBudgetError, make_plan
 from lightning_ckpt.planning.recompute_cost import recompute_cost
@@ -37,9 +38,12 @@ __all__ = [
     "AppliedPlan",
     "BlockCost",
     "DeepSpeedStrategy",
+    "GRANULARITIES",
     "InfeasibleBudgetError",
     "LiveBytesTracker",
     "MachineRates",
+    "OpCost",
+    "OpOption",
     "POLICIES",
     "Plan",
     "Profile",
@@ -47,6 +51,7 @@ __all__ = [
     "StepCost",
     "ZeroMemory",
     "apply_segments",
+    "block_options",
     "make_plan",
     "measure_rates",
     "measure_step_peak",
