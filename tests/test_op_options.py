@@ -142,6 +142,16 @@ def test_joint_planner_equals_brute_force(seed):
             check_against(cost, budget, plans, "flops", beam)
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_joint_planner_equals_brute_force_on_six_blocks(seed):
+    rng = random.Random(90_000 + seed)
+    cost = with_ops(rng, random_cost(rng, 6), 3)
+    plans = outcomes(cost, "flops")
+    peaks = sorted({p for _, p, _, _ in plans})
+    for budget in (rng.choice(peaks), rng.choice(peaks)):
+        check_against(cost, budget, plans, "flops", 0)
+
+
 @pytest.mark.parametrize("seed", range(30))
 def test_joint_planner_time_metric_equals_brute_force(seed):
     rng = random.Random(70_000 + seed)
