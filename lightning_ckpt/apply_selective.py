@@ -136,12 +136,22 @@ def _default_generator(device: torch.device) -> torch.Generator:
 _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _compact(t: torch.Tensor) -> tuple[torch.Tensor, torch.dtype | None]:
+def _zero_one(func: Any) -> bool:
+    """Ops whose every output value is +0 or +1 by definition (bernoulli draws)."""
+    return getattr(func, "_overloadpacket", None) in (torch.ops.aten.bernoulli_, torch.ops.aten.bernoulli)
+
+
+def _compact(t: torch.Tensor, zero_one: bool = False) -> tuple[torch.Tensor, torch.dtype | None]:
     """A lossless copy of `t`: one byte per element (bool) when every value is exactly 0 or +1
     (a bernoulli mask), else a clone. Returns (copy, dtype to restore it to, None if none).
 
     Lossless bit for bit: the bool copy turned back must have the bits of `t` (so -0.0 or a
-    NaN keeps the dtype); compared as integers, as `torch.equal` on floats would not tell."""
+    NaN keeps the dtype); compared as integers, as `torch.equal` on floats would not tell.
+    `zero_one`: the op writes only +0 and +1 by definition (`bernoulli`), so the check, a
+    pass over the draws as long as drawing them again, is skipped: one uint8 per element
+    (copied back into a float tensor faster than a bool)."""
+    if zero_one and not t.is_complex() and t.dtype != torch.bool:
+        return t.to(torch.uint8), t.dtype
     as_int = _SAME_SIZE_INT.get(t.element_size())
     if t.dtype == torch.bool or t.is_complex() or as_int is None:
         return t.clone(), None
@@ -176,11 +186,11 @@ class _KeptDraw:
                     "and does not return the tensor it writes; its draws cannot be replayed. Drop it from keep_ops."
                 )
             self.target = written[0]
-            self.values, self.spec = [_compact(target)], None
+            self.values, self.spec = [_compact(target, _zero_one(func))], None
             device = target.device
         else:
             flat, self.spec = tree_flatten(out)
-            self.values = [_compact(v) if isinstance(v, torch.Tensor) else (v, None) for v in flat]
+            self.values = [_compact(v, _zero_one(func)) if isinstance(v, torch.Tensor) else (v, None) for v in flat]
             device = _tensors(out)[0].device
         positions = [i for i, a in enumerate(func._schema.arguments) if a.name == "generator"]
         explicit = _argument(args, kwargs, positions[0], "generator") if positions else None

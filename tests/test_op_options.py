@@ -241,3 +241,26 @@ def test_op_plan_table_and_round_trip():
     with pytest.raises(ValueError, match="has no per-op costs"):
         make_plan(StepCost(blocks=(BlockCost("x", 10, 1, fwd_flops=3),), batch_size=1), "optimal", 10**6,
                   granularity="op")
+
+
+def test_keeping_costs_its_fixed_overhead_and_draws_their_copies():
+    """In `time`, an option pays per op call of its block for the dispatch modes (more when it
+    keeps other calls than draws), and a kept draw pays for storing and writing back its mask;
+    a block whose calls are too cheap to be worth that has no options."""
+    from lightning_ckpt.planning.machine_rates import MachineRates
+    from lightning_ckpt.planning.op_options import kept_value, op_value
+
+    draw = OpCost("aten.bernoulli_.float", 0, keep_bytes=1000, saved=True, keepable=True, rng_bytes=4000)
+    mm = OpCost("aten.mm.default", 0, keep_bytes=4000, saved=True, keepable=True, flops=10**6)
+    views = tuple(OpCost("aten.view.default", j, 0, False, False) for j in range(8))
+    blk = BlockCost("b", saved_bytes=8000, input_bytes=100, fwd_flops=10**6, fwd_rng_bytes=4000, ops=(draw, mm, *views))
+    rates = MachineRates(flop_per_s=1e9, mem_byte_per_s=1e9, rng_byte_per_s=1e8, keep_draws_op_s=1e-6, keep_ops_op_s=1e-5)
+    assert op_value(draw, blk, "time", rates) == pytest.approx(1e3 * (4000 / 1e8 - 5000 / 1e9))
+    assert kept_value(blk, [draw.key], "time", rates) == pytest.approx(op_value(draw, blk, "time", rates) - 1e3 * 10 * 1e-6)
+    both = kept_value(blk, [draw.key, mm.key], "time", rates)
+    assert both == pytest.approx(op_value(draw, blk, "time", rates) + 1.0 - 1e3 * 10 * 1e-5)
+    opts = block_options(blk, "time", rates)
+    assert [o.keys for o in opts] == [(draw.key,), (mm.key,), tuple(sorted((draw.key, mm.key)))]
+    assert [o.value for o in opts] == pytest.approx([kept_value(blk, o.keys, "time", rates) for o in opts])
+    costly = MachineRates(flop_per_s=1e9, mem_byte_per_s=1e9, rng_byte_per_s=1e8, keep_draws_op_s=1e-3, keep_ops_op_s=1e-3)
+    assert block_options(blk, "time", costly) == ()

@@ -22,6 +22,10 @@ class MachineRates:
         (entering and leaving the checkpoint, saving the RNG state, starting the
         recompute); 0 when not measured. It keeps a segment whose recompute is free
         (a block whose only op runs after its last saved tensor) from looking free.
+    keep_draws_op_s: seconds each op call of a block adds (forward and recompute) when the
+        block keeps random draws (op-level plans: the dispatch modes that store and replay them).
+    keep_ops_op_s: the same when it keeps other op outputs too (torch's selective checkpoint
+        modes as well). Both 0 when not measured.
     device, flop_dtype, mem_dtype: where and in what they were measured.
     gather_byte_per_s: bytes per second that `all_gather_into_tensor` delivers (its output)
         on the process group of sharded training (`profiling.gather`); None when the blocks
@@ -36,6 +40,8 @@ class MachineRates:
     mem_byte_per_s: float
     rng_byte_per_s: float
     segment_s: float = 0.0
+    keep_draws_op_s: float = 0.0
+    keep_ops_op_s: float = 0.0
     device: str = "cpu"
     flop_dtype: str = "torch.float32"
     mem_dtype: str = "torch.float32"
@@ -49,11 +55,13 @@ class MachineRates:
                     f"MachineRates: {name}={value!r} must be a positive finite rate; measure it with "
                     "lightning_ckpt.profiling.rates.measure_rates() or give a positive number."
                 )
-        if not (isinstance(self.segment_s, (int, float)) and 0 <= self.segment_s < float("inf")):
-            raise ValueError(
-                f"MachineRates: segment_s={self.segment_s!r} must be a finite number of seconds >= 0 "
-                "(the fixed cost of one checkpointed segment); use 0 to leave it out."
-            )
+        for name in ("segment_s", "keep_draws_op_s", "keep_ops_op_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 <= value < float("inf")):
+                raise ValueError(
+                    f"MachineRates: {name}={value!r} must be a finite number of seconds >= 0 "
+                    "(a fixed cost of checkpointing); use 0 to leave it out."
+                )
         rate = self.gather_byte_per_s
         if rate is not None and not (isinstance(rate, (int, float)) and 0 < rate < float("inf")):
             raise ValueError(

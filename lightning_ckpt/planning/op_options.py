@@ -45,7 +45,9 @@ class OpOption:
 def op_value(op: OpCost, block: BlockCost, metric: str, rates: MachineRates | None) -> float:
     """The recompute a kept call avoids, in `metric` (as `recompute_cost.block_recompute`).
 
-    flops: its FLOPs. time: its FLOPs, memory-bound and random bytes at the machine rates.
+    flops: its FLOPs. time: its FLOPs, memory-bound and random bytes at the machine rates;
+    for a random call (it writes random bytes) less the copies that keep its draws (one
+    byte per element written in the forward, the draws written back in the recompute).
     ms: the block's measured time split over its calls in proportion to their estimated
     time (with the rates) or, without rates, to their FLOPs.
     """
@@ -54,7 +56,10 @@ def op_value(op: OpCost, block: BlockCost, metric: str, rates: MachineRates | No
     if metric == "time":
         if rates is None:
             raise ValueError("metric='time' needs the machine rates: pass rates=cost.rates.")
-        return rates.fwd_ms(op.flops, op.mem_bytes, op.rng_bytes)
+        value = rates.fwd_ms(op.flops, op.mem_bytes, op.rng_bytes)
+        if op.rng_bytes:
+            value -= rates.fwd_ms(0, op.keep_bytes + op.rng_bytes, 0)
+        return value
     if metric == "ms":
         if rates is not None:
             total = rates.fwd_ms(block.fwd_flops, block.fwd_mem_bytes, block.fwd_rng_bytes)
@@ -84,8 +89,30 @@ def block_options(
     frontier, always with the heaviest.
     """
     items = [op for op in option_items(block) if op_value(op, block, metric, rates) > 0]
+    points = _frontier(items, block, metric, rates)
+    if metric == "time" and rates is not None:
+        # [constraint] keeping random draws only costs `keep_draws_op_s` per op call of the block,
+        # keeping other calls `keep_ops_op_s` (`keep_overhead_ms`): the best choice among the draws
+        # alone is a frontier of its own, and a choice is worth it only when its net value is > 0
+        points += _frontier([op for op in items if op.rng_bytes], block, metric, rates)
+        points = [
+            OpOption(o.keep_bytes, o.value - keep_overhead_ms(block, o.keys, rates), o.keys) for o in points
+        ]
+    out: list[OpOption] = []
+    for o in sorted(points, key=lambda o: (o.keep_bytes, -o.value)):
+        if o.value > 0 and (not out or o.value > out[-1].value) and (not out or o.keep_bytes > out[-1].keep_bytes):
+            out.append(o)
+    if max_options is not None and len(out) > max_options > 0:
+        step = (len(out) - 1) / max(max_options - 1, 1)
+        picks = sorted({round(k * step) for k in range(max_options)} | {len(out) - 1})
+        out = [out[k] for k in picks]
+    return tuple(out)
+
+
+def _frontier(items: list[OpCost], block: BlockCost, metric: str, rates: MachineRates | None) -> list[OpOption]:
+    """The Pareto points of (bytes kept, value) over subsets of `items`, heaviest first."""
     if not items:
-        return ()
+        return []
     weights = [float(op.keep_bytes) for op in items]
     values = [float(op_value(op, block, metric, rates)) for op in items]
     out: list[OpOption] = []
@@ -96,17 +123,22 @@ def block_options(
             break
         kept = sum(items[i].keep_bytes for i in chosen)
         value = sum(values[i] for i in chosen)
-        if out and value >= out[-1].value:  # cannot happen on an exact frontier; never keep a dominated point
-            cap = kept - 1
-            continue
-        out.append(OpOption(kept, value, tuple(sorted(items[i].key for i in chosen))))
+        if not out or value < out[-1].value:  # always on an exact frontier; never keep a dominated point
+            out.append(OpOption(kept, value, tuple(sorted(items[i].key for i in chosen))))
         cap = kept - 1
-    out.reverse()
-    if max_options is not None and len(out) > max_options > 0:
-        step = (len(out) - 1) / max(max_options - 1, 1)
-        picks = sorted({round(k * step) for k in range(max_options)} | {len(out) - 1})
-        out = [out[k] for k in picks]
-    return tuple(out)
+    return out
+
+
+def keep_overhead_ms(block: BlockCost, keys: Collection[OpKey], rates: MachineRates | None) -> float:
+    """The fixed time an op-level block adds, in ms: per op call of the block, the dispatch
+    modes that keep random draws (`MachineRates.keep_draws_op_s`) or, when it keeps any other
+    call, torch's selective checkpoint modes as well (`keep_ops_op_s`). 0 when nothing is kept."""
+    if not keys or rates is None:
+        return 0.0
+    want = set(keys)
+    random_only = all(op.rng_bytes > 0 for op in block.ops if op.key in want)
+    per_op = rates.keep_draws_op_s if random_only else rates.keep_ops_op_s
+    return 1e3 * per_op * len(block.ops)
 
 
 def step_options(
@@ -166,9 +198,11 @@ def kept_bytes(block: BlockCost, keys: Collection[OpKey]) -> int:
 
 
 def kept_value(block: BlockCost, keys: Collection[OpKey], metric: str, rates: MachineRates | None) -> float:
-    """Recompute the kept calls `keys` of `block` avoid, in `metric`."""
+    """Recompute the kept calls `keys` of `block` avoid, in `metric` (in `time` net of the
+    fixed cost of keeping, `keep_overhead_ms`)."""
     want = set(keys)
-    return sum(op_value(op, block, metric, rates) for op in block.ops if op.key in want)
+    value = sum(op_value(op, block, metric, rates) for op in block.ops if op.key in want)
+    return value - keep_overhead_ms(block, keys, rates) if metric == "time" else value
 
 
 def describe_keeps(block: BlockCost, keys: Collection[OpKey]) -> str:

@@ -75,11 +75,14 @@ def measure_rates(
         mem_byte_per_s = _rate(memory, _ELEMENT_COUNTS, sync, repeats, min_call_s)
         rng_byte_per_s = _rate(random, _ELEMENT_COUNTS, sync, repeats, min_call_s)
     segment_s = _segment_overhead_s(device, sync, repeats)
+    keep_draws_op_s, keep_ops_op_s = _keep_overhead_s(device, sync, repeats)
     return MachineRates(
         flop_per_s=flop_per_s,
         mem_byte_per_s=mem_byte_per_s,
         rng_byte_per_s=rng_byte_per_s,
         segment_s=segment_s,
+        keep_draws_op_s=keep_draws_op_s,
+        keep_ops_op_s=keep_ops_op_s,
         device=str(device),
         flop_dtype=str(flop_dtype),
         mem_dtype=str(mem_dtype),
@@ -117,6 +120,70 @@ def _segment_overhead_s(device: torch.device, sync: Callable[[], None], repeats:
             sync()
             times[name] = min(_timed(fn, sync) for _ in range(repeats)) / calls
     return max(0.0, times["checkpointed"] - times["plain"])
+
+
+class _TinyBlock(torch.nn.Module):
+    """Many cheap op calls on 8 elements, one dropout-like draw and one matmul: what the
+    dispatch modes of an op-level plan cost per op call, apart from the work itself."""
+
+    def __init__(self, device: torch.device, n_ops: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4, 4, device=device))
+        self.n_ops = n_ops
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        y = torch.mm(t.view(2, 4), self.w).view(8)
+        for _ in range(self.n_ops):
+            y = y * 1.0
+        return y * torch.empty_like(y).bernoulli_(0.5)
+
+
+def _keep_overhead_s(device: torch.device, sync: Callable[[], None], repeats: int, calls: int = 10) -> tuple[float, float]:
+    """(keep_draws_op_s, keep_ops_op_s): seconds per op call that an op-level block adds to a
+    forward + backward over the same block checkpointed whole, keeping its draw only, or its
+    draw and its matmul (torch's selective checkpoint modes too); fastest of `repeats` loops."""
+    from lightning_ckpt.apply import apply_segments
+    from lightning_ckpt.profiling.op_keys import OpCallCounter
+
+    block = _TinyBlock(device, 40)
+    x = torch.ones(8, device=device, requires_grad=True)
+    counter, seen = OpCallCounter(), []
+
+    class _Count(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            key = counter.key(func)
+            if key is not None:
+                seen.append(key)
+            return func(*args, **(kwargs or {}))
+
+    draw, mm = ("aten.bernoulli_.float", 0), ("aten.mm.default", 0)
+    keeps = {"whole": {}, "draws": {0: {draw}}, "ops": {0: {draw, mm}}}
+    times = {}
+    # the block draws from the device's default generator: put it (and the CPU's) back
+    state = torch.get_rng_state()
+    cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    try:
+        with torch.no_grad(), _Count():
+            block(x)
+        with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+            for name, keep in keeps.items():
+                handle = apply_segments([block], [(0, 0)], keep_ops=keep)
+                try:
+                    def run() -> None:
+                        for _ in range(calls):
+                            block(x).sum().backward()
+
+                    run()  # warm-up
+                    sync()
+                    times[name] = min(_timed(run, sync) for _ in range(repeats)) / calls
+                finally:
+                    handle.remove()
+    finally:
+        torch.set_rng_state(state)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state(cuda_state, device)
+    n = max(len(seen), 1)
+    return max(0.0, times["draws"] - times["whole"]) / n, max(0.0, times["ops"] - times["whole"]) / n
 
 
 def _rate(make: Callable, sizes, sync: Callable[[], None], repeats: int, min_call_s: float) -> float:
