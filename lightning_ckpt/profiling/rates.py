@@ -123,18 +123,22 @@ def _segment_overhead_s(device: torch.device, sync: Callable[[], None], repeats:
 
 
 class _TinyBlock(torch.nn.Module):
-    """Many cheap op calls on 8 elements, one dropout-like draw and one matmul: what the
-    dispatch modes of an op-level plan cost per op call, apart from the work itself."""
+    """Many cheap op calls on 8 elements (the kinds and argument lists of real blocks:
+    linear, batch norm, layer norm, activations, views), one dropout-like draw and one
+    matmul: what the dispatch modes of an op-level plan cost per op call, apart from the
+    work itself."""
 
-    def __init__(self, device: torch.device, n_ops: int) -> None:
+    def __init__(self, device: torch.device, n_layers: int) -> None:
         super().__init__()
         self.w = torch.nn.Parameter(torch.ones(4, 4, device=device))
-        self.n_ops = n_ops
+        self.lin = torch.nn.Linear(4, 4, device=device)
+        self.bn = torch.nn.BatchNorm1d(4, device=device)
+        self.n_layers = n_layers
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
-        y = torch.mm(t.view(2, 4), self.w).view(8)
-        for _ in range(self.n_ops):
-            y = y * 1.0
+        y = torch.mm(t.view(2, 4), self.w)
+        for _ in range(self.n_layers):
+            y = F.gelu(F.layer_norm(self.bn(self.lin(y)), (4,))).transpose(0, 1).contiguous().transpose(0, 1)
         return y * torch.empty_like(y).bernoulli_(0.5)
 
 
@@ -145,7 +149,7 @@ def _keep_overhead_s(device: torch.device, sync: Callable[[], None], repeats: in
     from lightning_ckpt.apply import apply_segments
     from lightning_ckpt.profiling.op_keys import OpCallCounter
 
-    block = _TinyBlock(device, 40)
+    block = _TinyBlock(device, 6)
     x = torch.ones(8, device=device, requires_grad=True)
     counter, seen = OpCallCounter(), []
 
