@@ -149,7 +149,6 @@ def _keep_overhead_s(device: torch.device, sync: Callable[[], None], repeats: in
     from lightning_ckpt.apply import apply_segments
     from lightning_ckpt.profiling.op_keys import OpCallCounter
 
-    block = _TinyBlock(device, 6)
     x = torch.ones(8, device=device, requires_grad=True)
     counter, seen = OpCallCounter(), []
 
@@ -167,6 +166,7 @@ def _keep_overhead_s(device: torch.device, sync: Callable[[], None], repeats: in
     state = torch.get_rng_state()
     cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     try:
+        block = _TinyBlock(device, 6)  # its initialisation draws too
         with torch.no_grad(), _Count():
             block(x)
         with torch.enable_grad(), torch.autocast(device.type, enabled=False):
