@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import itertools
 import random
+import types
 
 import pytest
+from test_chain_planner import NS_RATES, rich_cost, with_work
+from test_op_options import with_ops
+from test_policies import random_cost
 
+from lightning_ckpt.planning import chain_planner
 from lightning_ckpt.planning.chain_planner import solve_chain
 from lightning_ckpt.planning.costs import BlockCost, StepCost
 from lightning_ckpt.planning.memory_model import predict_peak
+from lightning_ckpt.planning.op_options import validate_keeps
+from lightning_ckpt.planning.plan import Plan
+from lightning_ckpt.planning.policies import make_plan
 from lightning_ckpt.planning.recompute_cost import recompute_cost
 
 
@@ -52,3 +61,69 @@ def test_a_generous_limit_changes_nothing():
     cost = jittered_encoder(40, seed=3)
     budget = predict_peak(cost, [(i, i) for i in range(40)]).peak_bytes + 10 * 31490048
     assert solve_chain(cost, budget, "flops", time_limit_s=60.0) == solve_chain(cost, budget, "flops")
+
+
+def budget_between(rng: random.Random, cost: StepCost) -> int:
+    full = predict_peak(cost, [(i, i) for i in range(cost.n_blocks)]).peak_bytes
+    none = predict_peak(cost, []).peak_bytes
+    return int(min(full, none) + rng.random() * abs(none - full))
+
+
+def counting_clock(monkeypatch) -> None:
+    """The planner's clock ticks once per look: `time_limit_s=k` stops it at its k-th look."""
+    ticks = itertools.count()
+    monkeypatch.setattr(chain_planner, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+
+
+def chain_for(seed: int) -> tuple[StepCost, str, str]:
+    """Small and medium chains of every kind: jittered encoders, heterogeneous blocks with
+    every overlap field, op-level options, estimated times."""
+    rng = random.Random(seed)
+    kind = seed % 4
+    if kind == 0:
+        return jittered_encoder(rng.randint(20, 140), seed=seed), "flops", "block"
+    if kind == 1:
+        return random_cost(rng, rng.randint(5, 60)), "flops", "block"
+    if kind == 2:
+        return with_ops(rng, random_cost(rng, rng.randint(3, 30)), 4), "flops", "op"
+    return with_work(rng, rich_cost(rng, rng.randint(5, 50), huge=False), NS_RATES), "time", "block"
+
+
+@pytest.mark.parametrize("seed", range(48))
+def test_the_bound_holds_wherever_the_limit_stops_the_search(seed, monkeypatch):
+    """Stopped at any look (in any capped run), the plan fits and costs what it says, and
+    the proven lower bound is never above the optimum; never stopped, the plan is exact."""
+    cost, metric, granularity = chain_for(seed)
+    rng = random.Random(seed)
+    budget = budget_between(rng, cost)
+    exact = solve_chain(cost, budget, metric, granularity=granularity, beam=3)
+    counting_clock(monkeypatch)
+    for limit in sorted({0, 1, 2, rng.randint(3, 40), rng.randint(40, 400), 10**9}):
+        quick = solve_chain(cost, budget, metric, granularity=granularity, beam=3, time_limit_s=limit)
+        if exact is None:
+            assert quick is None
+            continue
+        keeps = validate_keeps(cost, quick.segments, quick.keeps)
+        assert predict_peak(cost, quick.segments, keeps).peak_bytes == quick.peak_bytes <= budget
+        assert recompute_cost(cost, quick.segments, metric, keeps) == pytest.approx(quick.cost, rel=1e-12, abs=1e-12)
+        if quick.lower_bound is None:
+            assert (quick.cost, quick.peak_bytes) == (exact.cost, exact.peak_bytes)
+        else:
+            assert quick.lower_bound <= exact.cost * (1 + 1e-12) + 1e-9 and exact.cost <= quick.cost
+            if quick.cost > 0:
+                assert quick.gap == pytest.approx((quick.cost - quick.lower_bound) / quick.cost)
+
+
+def test_the_default_limit_keeps_plans_exact_and_a_stopped_plan_says_how_close_it_is(monkeypatch):
+    cost = jittered_encoder(48, seed=1)
+    budget = budget_between(random.Random(0), cost)
+    plan = make_plan(cost, "optimal", budget)  # 48 blocks: exact within the default 2 s
+    assert plan.gap == 0.0 and "time limit" not in str(plan)
+    assert plan.segments == tuple(solve_chain(cost, budget).segments)
+    counting_clock(monkeypatch)
+    cost = jittered_encoder(200, seed=2)
+    stopped = make_plan(cost, "optimal", budget_between(random.Random(1), cost), time_limit_s=0)
+    assert 0.0 < stopped.gap < 0.01
+    assert f"within {100 * stopped.gap:.2g} % of the optimum (proven bound)" in str(stopped)
+    assert Plan.from_dict(stopped.to_dict()) == stopped
+    assert Plan.from_dict({k: v for k, v in stopped.to_dict().items() if k != "gap"}).gap == 0.0

@@ -16,7 +16,6 @@ import numpy as np
 from lightning_ckpt.planning.costs import StepCost
 from lightning_ckpt.planning.memory_model import ElementArrays, element_arrays, single_segment_parts
 from lightning_ckpt.planning.op_options import GRANULARITIES, step_options
-from lightning_ckpt.planning.prefix_bound import PrefixBound
 from lightning_ckpt.planning.recompute_cost import (
     block_recompute,
     metric_rates,
@@ -44,10 +43,6 @@ class ChainArrays(ElementArrays):
     opt_keys: list = field(default_factory=list)
     one_fwd: np.ndarray | None = None  # forward and backward of each one-block segment
     one_bwd: np.ndarray | None = None
-
-    def bound(self) -> PrefixBound:
-        opts = [list(zip(k.tolist(), v.tolist())) for k, v in zip(self.opt_k, self.opt_v)] if self.opt_k else None
-        return PrefixBound(self.saved, self.rc - self.tails, self.W, opts)
 
 
 def chain_arrays(cost: StepCost, metric: str, granularity: str = "block", max_options: int | None = None) -> ChainArrays:

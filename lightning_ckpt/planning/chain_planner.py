@@ -53,27 +53,23 @@ computed for 64 starts at a time): O(pool + frontier) work per position.
 Bounding (exact)
 ----------------
 [bound] A suffix state (D, C) at p can only finish through a prefix 0..p-1 that
-leaves at most budget - D resident. A checkpointed block frees at most its saved
-bytes and costs at least its recompute less its skipped tail, so the fractional
-knapsack "free W_p - (budget - D) bytes from blocks 0..p-1 at least cost" is a
-lower bound L on the prefix's recompute (`prefix_bound`). Given an upper bound U
-(the cost of any feasible plan), a state with C + L > U, and a pool option whose
-bound for every later start exceeds U, can be dropped: every plan costing <= U,
-so every optimal plan and its lowest-peak tie, survives. U comes from a *beam*
-run of the same DP keeping the `_BEAM` states of least C + L per position.
+leaves at most budget - D resident; `prefix_bound.ChainBound` (a Lagrangian bound
+over prefix plans, each segment paying for its boundary) is a lower bound L on that
+prefix's recompute. A run capped at U drops a state with C + L > U, and a pool option
+whose bound for every later start exceeds U: every plan costing <= U survives. The
+cap comes first from the bound of the whole chain (`_deepen`: caps just above it find
+the optimum fast or prove that it costs more), last from a *beam* run of the same DP
+keeping the `_BEAM` states of least C + L per position, whose plan costs U.
 
 Cost and exactness
 ------------------
-Uniform and repeated-profile chains (ties everywhere) keep frontiers of about n/2
-states. Chains whose blocks differ slightly in both bytes and recompute (measured
-`ms` costs, jittered profiles) behave like strongly correlated knapsacks: the exact
-frontier grows roughly quadratically with n (timings: benchmarks/chain_planner.py).
-Bytes are int64; recompute in `flops` is int64 (float64 only if the sum of all
-block FLOPs exceeds 2**62); in `time` each block's estimate (its all-gather under
-sharding included, `recompute_cost.block_recompute`) is rounded to whole
-nanoseconds and summed as int64. In `ms` costs are float64 prefix sums, so two
-plans whose costs differ only by rounding may be ordered either way. The oracles
-this solver is tested against (a forward DP, brute force) are in tests/oracles.py.
+Chains whose blocks differ slightly in bytes and recompute (measured `ms` costs,
+jittered profiles) behave like strongly correlated knapsacks: their frontiers grow fast
+with n and only a tight cap keeps them small (benchmarks/chain_planner.py). Bytes are
+int64; recompute in `flops` is int64 (float64 only past 2**62); in `time` each block's
+estimate (`recompute_cost.block_recompute`) is rounded to whole nanoseconds and summed
+as int64; in `ms` costs are float64, so plans whose costs differ only by rounding may
+be ordered either way. The oracles (a forward DP, brute force) are in tests/oracles.py.
 """
 
 from __future__ import annotations
@@ -89,10 +85,9 @@ from lightning_ckpt.planning.chain_arrays import ChainArrays, chain_arrays
 from lightning_ckpt.planning.costs import StepCost
 from lightning_ckpt.planning.memory_model import segment_need_rows
 from lightning_ckpt.planning.op_options import OpKey
-from lightning_ckpt.planning.prefix_bound import PrefixBound
+from lightning_ckpt.planning.prefix_bound import ChainBound, chain_bound
 
 Segments = list[tuple[int, int]]
-
 
 
 @dataclass(frozen=True)
@@ -139,17 +134,14 @@ def solve_chain(
     op outputs, recompute the rest) as one-block segments of their own resident and
     cost; `max_options` caps how many of each block's frontier are offered.
 
-    time_limit_s: when the exact run is still going after this long, return the best plan
-    found so far (the beam run's) with `lower_bound`: the least cost any plan could have,
-    proven from the states not yet extended (their cost so far plus the prefix bound)
-    and everything already pruned; `gap` says how far above the optimum it can be.
+    time_limit_s: when the exact runs are still going after this long, return the beam
+    run's plan with `lower_bound`, the least cost any plan could have (proven by the runs
+    that found nothing, the states not yet extended and everything pruned); `gap` says
+    how far above the optimum it can be.
 
-    [bound] First a beam run (the same DP keeping only the few most promising states
-    per position) finds a good feasible plan; its cost is an upper bound U. Then the
-    exact run drops every partial plan that cannot finish at a cost <= U (its cost
-    so far plus the prefix lower bound exceeds U). Every plan costing <= U, hence
-    every optimal plan, survives all pruning, so the exact run's answer is the
-    optimum with the lowest peak. Without a beam plan the exact run is uncapped.
+    [bound] A beam run (the same DP keeping only the most promising states per position)
+    finds a plan of cost U; exact runs capped between the bound of the whole chain and U
+    then find the optimum with the lowest peak (`_deepen`). Short chains: one uncapped run.
     """
     a = chain_arrays(cost, metric, granularity, max_options)
     budget = int(budget_bytes)
@@ -157,26 +149,19 @@ def solve_chain(
     if a.opt_need > budget or a.end_need - end_relief > budget:
         return None
     max_len = a.n if max_segment_blocks is None else max(1, int(max_segment_blocks))
-    lb = a.bound()
-    if lb.total(budget - a.end_need + end_relief) == math.inf:
+    lb = chain_bound(a)
+    if not lb.reaches(a.n, budget - a.end_need + end_relief):
         return None
     if stats is not None:
         stats.clear()
-    cap = math.inf
     deadline = None if time_limit_s is None else time.perf_counter() + float(time_limit_s)
     if beam is None:
         beam = _BEAM if a.n >= _BEAM_FROM else 0
-    guess = None
-    if beam:
-        guess = _solve(a, budget, max_len, math.inf, lb, stats, beam=beam)
-        if guess is not None:
-            cap = guess[0]
-            if stats is not None:
-                stats["beam_cost"] = guess[1].cost
+    guess = _solve(a, budget, max_len, math.inf, lb, stats, beam=beam) if beam else None
+    if stats is not None and guess is not None:
+        stats["beam_cost"] = guess[1].cost
     try:
-        found = _solve(a, budget, max_len, cap, lb, stats, deadline=deadline)
-        if found is None and cap != math.inf:  # cannot happen (the beam plan survives); stay exact anyway
-            found = _solve(a, budget, max_len, math.inf, lb, stats, deadline=deadline)
+        found = _deepen(a, budget, max_len, lb, stats, math.inf if guess is None else guess[0], deadline)
     except _OutOfTime as stop:
         if guess is None:  # no plan yet: the bounding run's, found fast
             guess = _solve(a, budget, max_len, math.inf, lb, None, beam=_BEAM)
@@ -187,12 +172,54 @@ def solve_chain(
     return None if found is None else found[1]
 
 
+def _deepen(
+    a: ChainArrays, budget: int, max_len: int, lb: ChainBound, stats: dict | None, upper: float, deadline: float | None
+) -> tuple[float, ChainSolution] | None:
+    """The exact run under caps rising from the bound of the whole chain (no plan costs less)
+    to `upper` (a plan's cost; inf: one uncapped run).
+
+    [bound] A run capped at c keeps every plan costing <= c: it returns the optimum if that
+    costs <= c, else nothing, proving that every plan costs more. The lower the cap the
+    fewer states survive, so caps start 1/`_FIRST_STEP` of the way to `upper` and double
+    their distance from the last proven floor; past halfway, or `_DEEPEST` above the floor,
+    the last run is capped at `upper`. Integral costs are multiples of their greatest common
+    divisor, and so is every plan's: the floor rounds up to one, caps down.
+    """
+    floor = -math.inf if upper == math.inf else lb.total(budget - a.end_need + int(a.o[a.n])) - lb.slack
+    g = _cost_grid(a)
+    lo = math.ceil(floor / g) * g if g and floor > -math.inf else floor
+    top, step = min((lo + upper) / 2, lo + _DEEPEST * abs(upper)), (upper - lo) / _FIRST_STEP
+    try:
+        while upper < math.inf and 0 < step and lo + step <= top:
+            cap = int((lo + step) // g * g) if g else lo + step
+            found = _solve(a, budget, max_len, cap, lb, stats, deadline=deadline)
+            if found is not None:
+                return found
+            lo, step = cap + g, 2 * step  # no plan costs <= cap
+        found = _solve(a, budget, max_len, upper, lb, stats, deadline=deadline)
+        if found is None and upper != math.inf:  # cannot happen (the beam plan survives); stay exact anyway
+            found = _solve(a, budget, max_len, math.inf, lb, stats, deadline=deadline)
+        return found
+    except _OutOfTime as stop:
+        raise _OutOfTime(max(lo, stop.lower_bound)) from None
+
+
+def _cost_grid(a: ChainArrays) -> int:
+    """The greatest common divisor of every cost term when costs are integral (else 0)."""
+    if a.P.dtype != np.int64 or not a.n:
+        return 0
+    terms = [a.rc, a.tails, a.K[1:] - a.P[1:] + a.tails, *a.opt_v]
+    return int(np.gcd.reduce(np.abs(np.concatenate(terms))))
+
+
+_FIRST_STEP = 64  # the first cap: 1/64 of the way from the floor to the beam plan's cost
+_DEEPEST = 0.005  # the optimum is rarely 0.5 % above the floor; past that the floor is loose
 _BEAM = 16  # states kept per position by the bounding run
 _BEAM_FROM = 64  # shorter chains are solved in one uncapped run (`beam=0`)
 
 
 def _solve(
-    a: ChainArrays, budget: int, max_len: int, cap: float, lb: PrefixBound, stats: dict | None, beam: int = 0,
+    a: ChainArrays, budget: int, max_len: int, cap: float, lb: ChainBound, stats: dict | None, beam: int = 0,
     deadline: float | None = None,
 ) -> tuple[float, ChainSolution] | None:
     """The backward Pareto DP (see the module docstring); `cap` (in solver units) and `beam`

@@ -68,6 +68,7 @@ class Plan:
     rates: dict | None = None  # `MachineRates.to_dict()` behind the estimates
     granularity: str = "block"  # "op": blocks checkpointed alone may keep op outputs
     keeps: tuple[tuple[int, tuple[tuple[str, int], ...]], ...] = ()  # (block, kept op calls), ascending
+    gap: float = 0.0  # `optimal` stopped at its time limit: at most this far above the optimum (share of the cost)
 
     @property
     def keep_ops(self) -> dict[int, tuple[tuple[str, int], ...]]:
@@ -139,6 +140,8 @@ class Plan:
                 if measured.gather_byte_per_s is not None:
                     work = "FLOPs, memory-bound bytes, random bytes and parameters all-gathered again"
             lines.append(f"estimated recompute {self.recompute_est_ms:.1f} ms: {work}{rates}")
+        if self.gap > 0:
+            lines.append(f"planner stopped at its time limit: within {100 * self.gap:.2g} % of the optimum (proven bound)")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -162,6 +165,7 @@ class Plan:
             "rows": [dataclasses.asdict(r) for r in self.rows],
             "granularity": self.granularity,
             "keeps": [[p, [list(k) for k in keys]] for p, keys in self.keeps],
+            "gap": self.gap,
         }
 
     @classmethod

@@ -2,15 +2,17 @@
 
 Policies: `none`, `full`, `every_k`, `sqrt`, `greedy` and `optimal`. `optimal` is an
 exact dynamic program over the chain for the memory model of `memory_model`: the
-least recompute whose predicted peak fits the budget (ties: the lower peak).
+least recompute whose predicted peak fits the budget (ties: the lower peak); past its
+time limit (2 s by default) the best plan found, with a proven gap to the optimum.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
-from lightning_ckpt.planning.chain_planner import solve_chain
+from lightning_ckpt.planning.chain_planner import ChainSolution, solve_chain
 from lightning_ckpt.planning.costs import StepCost
 from lightning_ckpt.planning.memory_model import (
     predict_peak,
@@ -129,27 +131,40 @@ def optimal_segments(
     """Exact minimum-recompute plan under the memory model; among those, the lowest peak.
 
     Solved by `chain_planner.solve_chain`, a backward Pareto DP over (suffix demand,
-    recompute) on the element form of `memory_model`; tests/oracles.py holds the
-    brute force and the reference DP it is checked against.
+    recompute) on the element form of `memory_model`, with no time limit; tests/oracles.py
+    holds the brute force and the reference DP it is checked against.
     """
-    return optimal_choice(cost, budget_bytes, metric, max_segment_blocks)[0]
+    return optimal_choice(cost, budget_bytes, metric, max_segment_blocks, time_limit_s=None)[0]
 
 
 def optimal_choice(
     cost: StepCost, budget_bytes: int, metric: str = "flops", max_segment_blocks: int | None = None,
-    granularity: str = "block",
+    granularity: str = "block", time_limit_s: float | None = 2.0,
 ) -> tuple[list[tuple[int, int]], dict]:
-    """`optimal_segments` and, at granularity "op", the op calls kept per block (`op_options`)."""
+    """`optimal_segments` and, at granularity "op", the op calls kept per block (`op_options`).
+
+    time_limit_s: the planner is exact when it finishes within this many seconds (chains of
+    hundreds of blocks take well under one); past it, it returns the best plan found, whose
+    distance to the optimum it proves (`solve_chain`, `Plan.gap`). None: no limit.
+    """
+    found = _optimal(cost, budget_bytes, metric, max_segment_blocks, granularity, time_limit_s)
+    return found.segments, found.keeps
+
+
+def _optimal(
+    cost: StepCost, budget_bytes: int, metric: str, max_segment_blocks: int | None, granularity: str,
+    time_limit_s: float | None,
+) -> ChainSolution:
     if granularity == "op" and not any(b.ops for b in cost.blocks):
         raise ValueError(
             "granularity='op' plans which op outputs each block keeps, but this profile has no per-op costs "
             "(BlockCost.ops is empty for every block). Profile with the per-op profile (profile_model records it), "
             "or use granularity='block'."
         )
-    found = solve_chain(cost, budget_bytes, metric, max_segment_blocks, granularity=granularity)
+    found = solve_chain(cost, budget_bytes, metric, max_segment_blocks, granularity=granularity, time_limit_s=time_limit_s)
     if found is None:
         raise InfeasibleBudgetError(_infeasible_message(cost, budget_bytes, "optimal"))
-    return found.segments, found.keeps
+    return found
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -174,6 +189,7 @@ def make_plan(
     segments: Sequence[tuple[int, int]] | None = None,
     granularity: str = "block",
     keeps: Keeps | None = None,
+    time_limit_s: float | None = 2.0,
 ) -> Plan:
     """Build the `Plan` of `policy` for `cost`.
 
@@ -185,6 +201,11 @@ def make_plan(
     may not fit: check `plan.fits`. `every_k` without `k` picks the smallest k that
     fits. `greedy` and `optimal` need a budget and raise `InfeasibleBudgetError`
     when nothing fits. `segments` builds a plan by hand (policy "manual").
+
+    time_limit_s bounds the `optimal` planner's search: it is exact when it finishes in
+    time (chains of a thousand blocks usually do, in under a second); otherwise the plan
+    is the best found and `plan.gap` says how far above the optimum it can be (proven).
+    None searches until the optimum is found.
     """
     if policy not in POLICIES and not (policy == "manual" and segments is not None):
         raise ValueError(f"policy={policy!r} is not a known policy; choose one of {', '.join(POLICIES)}.")
@@ -195,6 +216,7 @@ def make_plan(
         raise ValueError(f"granularity={granularity!r} is not known; choose one of {', '.join(GRANULARITIES)}.")
     if needs_budget and budget_bytes is None:
         raise ValueError(f"policy={policy!r} chooses blocks to fit a budget, so it needs budget_bytes; none was given.")
+    gap = 0.0
     if segments is not None:
         segs = list(segments)
     elif policy == "none":
@@ -211,14 +233,16 @@ def make_plan(
     elif policy == "greedy":
         segs = greedy_segments(cost, budget_bytes, metric)
     else:
-        segs, keeps = optimal_choice(cost, budget_bytes, metric, granularity=granularity)
+        found = _optimal(cost, budget_bytes, metric, None, granularity, time_limit_s)
+        segs, keeps, gap = found.segments, found.keeps, found.gap
     segs = validate_segments(n, segs)
     if not _chainable(cost, segs):
         raise ValueError(
             "a segment spans a block that does not take the previous block's output as its first argument; "
             "such blocks can only be checkpointed one per segment."
         )
-    return build_plan(cost, segs, policy if segments is None else "manual", budget_bytes, metric, keeps, granularity)
+    plan = build_plan(cost, segs, policy if segments is None else "manual", budget_bytes, metric, keeps, granularity)
+    return dataclasses.replace(plan, gap=gap) if gap else plan
 
 
 def _smallest_fitting_k(cost: StepCost, budget_bytes: int) -> list[tuple[int, int]]:
