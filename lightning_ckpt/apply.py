@@ -226,11 +226,14 @@ class AppliedPlan:
     """Handle of an applied plan; `remove()` restores the modules exactly."""
 
     def __init__(
-        self, segments: list[_Segment], spans: list[tuple[int, int]], keep_ops: dict[int, frozenset[tuple[str, int]]]
+        self,
+        segments: list[_Segment],
+        spans: list[tuple[int, int]],
+        keep_ops: dict[int, frozenset[tuple[str, int]]] | None = None,
     ) -> None:
         self._segments = segments
         self.segments = spans
-        self.keep_ops = keep_ops  # block index -> the op-call keys kept (an empty set: plain checkpointing)
+        self.keep_ops = keep_ops or {}  # block index -> the op-call keys kept (an empty set: plain checkpointing)
 
     def remove(self) -> None:
         for seg in self._segments:
