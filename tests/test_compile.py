@@ -247,3 +247,22 @@ def test_callback_keeps_compile(pattern, policy, forced_budget, reference_losses
         assert n_regions > 0
     assert len(module.losses) == STEPS
     assert module.losses == pytest.approx(reference_losses[pattern], rel=1e-5)
+
+
+def test_op_level_keeps_under_compile_are_refused_loudly():
+    """A plan that keeps op outputs cannot keep them inside a compiled graph: one warning,
+    with the way out, and the blocks are checkpointed whole."""
+    from lightning_ckpt.integrations.compiled import apply_plan
+    from lightning_ckpt.planning.plan import Plan
+
+    net = Net()
+    outer = nn.Sequential(torch.compile(net))
+    plan = Plan(
+        policy="optimal", batch_size=4, segments=((0, 0),), predicted_peak_bytes=1, peak_phase="forward",
+        budget_bytes=None, static_bytes=0, recompute_flops=0, recompute_ms=0.0, step_flops=0, rows=(),
+        granularity="op", keeps=((0, (("aten.addmm.default", 0),)),),
+    )
+    with pytest.warns(UserWarning, match=r"keeps op outputs in 1 block\(s\).*Use granularity='block' with torch.compile"):
+        applied = apply_plan(outer, list(net.blocks), [f"blocks.{i}" for i in range(8)], plan, True)
+    assert applied.keep_ops == {}
+    applied.remove()
