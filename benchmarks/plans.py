@@ -7,7 +7,8 @@ For the 48-block text encoder (examples/train_encoder.py, batch 16, its config's
 chain `blocks`) and the ResNet-style CNN (examples/train_cnn.py, batch 64, chain
 stem + layer1..4): profile one step, then at budgets 25 %, 50 % and 75 % of the way
 from the `full` peak to the `none` peak make the plan of every policy (`none`,
-`full`, `every_k` with the smallest k that fits, `sqrt`, `greedy`, `optimal`) and
+`full`, `every_k` with the smallest k that fits, `sqrt`, `greedy`, `optimal`, and
+`optimal` in `time` at block and at op granularity) and
 report its predicted peak, its peak measured by the live-storage tracker, its
 predicted and measured recompute FLOPs, and its training-step time as a ratio to
 `none`. Batch sizes are ones where `none` runs (a CPU has no hard memory limit, so
