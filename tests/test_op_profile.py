@@ -11,7 +11,11 @@ import torch
 import torch.nn.functional as F
 from models import TinyChain, TinyCNN, tokens_batch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 from torch.utils.flop_counter import FlopCounterMode
 
 from examples.train_encoder import EncoderClassifier

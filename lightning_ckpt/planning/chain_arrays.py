@@ -14,7 +14,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lightning_ckpt.planning.costs import StepCost
-from lightning_ckpt.planning.memory_model import ElementArrays, element_arrays, single_segment_parts
+from lightning_ckpt.planning.memory_model import (
+    ElementArrays,
+    element_arrays,
+    single_segment_parts,
+)
 from lightning_ckpt.planning.op_options import GRANULARITIES, step_options
 from lightning_ckpt.planning.recompute_cost import (
     block_recompute,
