@@ -7,7 +7,9 @@ the module tree and every `state_dict` key stay as they were. RNG and autocast
 state are restored for the recompute by torch; BatchNorm running statistics are
 restored by a recompute-only context so a recompute never updates them. A block that
 is its own segment may keep some op calls from the forward instead of recomputing
-them (`keep_ops`, built in `apply_selective`).
+them (`keep_ops`, built in `apply_selective`). Segments may nest (`inner_segments`): the
+outer one saves only its input, and in its recompute each inner segment is again a checkpointed
+region, saving only its own input until its own backward recomputes it (multi-level checkpointing).
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ from torch import nn
 from torch.utils.checkpoint import _checkpoint_without_reentrant_generator
 
 from lightning_ckpt.apply_selective import SelectiveKeep, validate_keep_ops
+from lightning_ckpt.planning.nested_model import validate_nested
 from lightning_ckpt.profiling.chain_check import receives_output, tensor_version
 
 __all__ = ["AppliedPlan", "apply_segments", "BatchNormGuard"]
+
+Span = tuple[int, int]
 
 
 class BatchNormGuard:
@@ -69,7 +74,12 @@ def _first_tensor(out: Any) -> Any:
 
 
 class _Segment:
-    """One checkpointed region spanning blocks[first..last] (a picklable callable object)."""
+    """One checkpointed region spanning blocks[first..last] (a picklable callable object).
+
+    `running` is shared by the segments of one applied plan: the spans whose recompute is
+    running, innermost last. A segment's hooks act outside every recompute and inside the
+    recompute of a segment that encloses it (`ancestors`), where it is a region again.
+    """
 
     def __init__(
         self,
@@ -79,21 +89,29 @@ class _Segment:
         determinism_check: str,
         early_stop: bool,
         selective: SelectiveKeep | None = None,
+        running: list[Span] | None = None,
+        ancestors: Collection[Span] = (),
     ) -> None:
         self.blocks = list(blocks)
         self.selective = selective
         self.early_stop = early_stop
         self.first_index = first_index
+        self.span = (first_index, first_index + len(self.blocks) - 1)
         self.guard_batchnorm = guard_batchnorm
         self.determinism_check = determinism_check
-        self.enabled = True
+        self.running = [] if running is None else running
+        self.ancestors = frozenset(ancestors)
         self._gen = None
         self._calls: list[tuple[tuple, dict]] = []
         self._last_out: Any = None
         self._last_version: int | None = None
         self._handles: list[Any] = []
 
-    # -- contexts of the forward and the recompute (the recompute's: hooks off, BatchNorm guarded;
+    @property
+    def enabled(self) -> bool:
+        return not self.running or self.running[-1] in self.ancestors
+
+    # -- contexts of the forward and the recompute (the recompute's: own hooks off, BatchNorm guarded;
     # a selective block adds torch's selective checkpoint modes and the replay of kept draws)
     def _context_fn(self):
         guard = BatchNormGuard(self.blocks) if self.guard_batchnorm else None
@@ -134,7 +152,13 @@ class _Segment:
             self._gen = _checkpoint_without_reentrant_generator(
                 fn, True, self._context_fn, self.determinism_check, False, self.early_stop, *args, **kwargs
             )
-            next(self._gen)
+            try:
+                next(self._gen)
+            except BaseException:
+                # the region did not open: e.g. an enclosing segment's recompute stops early (torch's
+                # early stop) once it has saved this region's input, from inside this pre-hook
+                self._gen = None
+                raise
             return
         if self._gen is None:
             return
@@ -203,23 +227,32 @@ class _Segment:
 
 
 class _RecomputeContext:
-    """Entered around each recompute: hooks off (no nested region), BatchNorm guarded."""
+    """Entered around each recompute: BatchNorm guarded, the segment's span pushed on the plan's
+    running stack (its own hooks and its ancestors' go quiet; the segments inside it open again)."""
 
     def __init__(self, segment: _Segment, guard: BatchNormGuard | None) -> None:
         self.segment = segment
         self.guard = guard
 
     def __enter__(self) -> None:
-        self.segment.enabled = False
-        if self.guard is not None:
-            self.guard.__enter__()
+        self.segment.running.append(self.segment.span)
+        try:
+            if self.guard is not None:
+                self.guard.__enter__()
+        except BaseException:
+            self.segment.running.pop()
+            raise
 
     def __exit__(self, *exc: Any) -> None:
         try:
             if self.guard is not None:
                 self.guard.__exit__(*exc)
         finally:
-            self.segment.enabled = True
+            running = self.segment.running
+            for k in range(len(running) - 1, -1, -1):
+                if running[k] == self.segment.span:
+                    del running[k]
+                    break
 
 
 class AppliedPlan:
@@ -228,11 +261,13 @@ class AppliedPlan:
     def __init__(
         self,
         segments: list[_Segment],
-        spans: list[tuple[int, int]],
+        spans: list[Span],
         keep_ops: dict[int, frozenset[tuple[str, int]]] | None = None,
+        inner_segments: list[Span] | None = None,
     ) -> None:
         self._segments = segments
         self.segments = spans
+        self.inner_segments = inner_segments or []
         self.keep_ops = keep_ops or {}  # block index -> the op-call keys kept (an empty set: plain checkpointing)
 
     def remove(self) -> None:
@@ -240,6 +275,7 @@ class AppliedPlan:
             seg.detach()
         self._segments = []
         self.segments = []
+        self.inner_segments = []
         self.keep_ops = {}
 
     @property
@@ -254,6 +290,7 @@ def apply_segments(
     determinism_check: str = "default",
     early_stop: bool = True,
     keep_ops: Mapping[int, Collection[tuple[str, int]]] | None = None,
+    inner_segments: Sequence[Span] = (),
 ) -> AppliedPlan:
     """Checkpoint each `(first, last)` segment of `blocks`; returns an undo handle.
 
@@ -265,15 +302,29 @@ def apply_segments(
     `profiling.op_keys.OpCallCounter` numbers them, e.g. `{3: [("aten.addmm.default", 0)]}`.
     Kept random calls (dropout's `bernoulli_`) keep their draws; the rest draw again as in
     the forward. Keys the block's first forward never makes raise a ValueError there.
+    A one-block inner segment may keep op calls too.
+
+    `inner_segments` nest inside `segments` (see `validate_nested`): an outer segment's
+    forward saves its input only; its recompute saves the activations of its blocks outside
+    its inner segments and only the input of each inner segment, which is recomputed in turn
+    when the backward reaches it. Every level replays dropout and guards BatchNorm.
     """
     from lightning_ckpt.planning.memory_model import validate_segments
 
     spans = validate_segments(len(blocks), segments)
-    keeps = validate_keep_ops(keep_ops, spans, len(blocks))
+    inner = validate_nested(len(blocks), spans, inner_segments)
+    keeps = validate_keep_ops(keep_ops, spans, len(blocks), inner)
+    running: list[Span] = []
     objs = []
-    for a, b in spans:
-        selective = SelectiveKeep(a, keeps[a]) if keeps.get(a) else None
-        seg = _Segment(blocks[a : b + 1], a, guard_batchnorm, determinism_check, early_stop, selective)
+    # parents before children: on a shared first block the parent's pre-hook runs first (hooks run
+    # in registration order) and on a shared last block the child's post-hook (prepended) runs first
+    everything = sorted(spans + inner, key=lambda s: (s[0], -s[1]))
+    for a, b in everything:
+        selective = SelectiveKeep(a, keeps[a]) if keeps.get(a) and a == b else None
+        ancestors = [s for s in everything if s[0] <= a and b <= s[1] and s != (a, b)]
+        seg = _Segment(
+            blocks[a : b + 1], a, guard_batchnorm, determinism_check, early_stop, selective, running, ancestors
+        )
         seg.attach()
         objs.append(seg)
-    return AppliedPlan(objs, spans, keeps)
+    return AppliedPlan(objs, spans, keeps, inner)

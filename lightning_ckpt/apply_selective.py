@@ -68,9 +68,14 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 
 def validate_keep_ops(
-    keep_ops: Mapping[int, Collection[OpKey]] | None, spans: Sequence[tuple[int, int]], n_blocks: int
+    keep_ops: Mapping[int, Collection[OpKey]] | None,
+    spans: Sequence[tuple[int, int]],
+    n_blocks: int,
+    inner_segments: Sequence[tuple[int, int]] = (),
 ) -> dict[int, frozenset[OpKey]]:
-    """`keep_ops` as block index -> frozen set of keys, or a ValueError saying what is wrong."""
+    """`keep_ops` as block index -> frozen set of keys, or a ValueError saying what is wrong.
+    A key names a one-block segment, of `spans` or of the nested `inner_segments`."""
+    spans = list(spans) + list(inner_segments)
     out: dict[int, frozenset[OpKey]] = {}
     for index, keys in (keep_ops or {}).items():
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < n_blocks:
@@ -79,7 +84,8 @@ def validate_keep_ops(
                 "its keys are the indices of the blocks passed to apply_segments."
             )
         if (index, index) not in spans:
-            where = next((s for s in spans if s[0] <= index <= s[1]), None)
+            around = [s for s in spans if s[0] <= index <= s[1]]
+            where = min(around, key=lambda s: s[1] - s[0]) if around else None
             state = f"inside the segment {where}" if where else "not in any segment (it is not checkpointed)"
             raise ValueError(
                 f"keep_ops names block {index}, which is {state}; op calls can be kept only in a block "

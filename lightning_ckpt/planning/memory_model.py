@@ -244,9 +244,15 @@ def selective_element(segment: Element, keep_bytes: int) -> Element:
     )
 
 
-def plan_elements(cost: StepCost, segments: Segments, keeps: Keeps | None = None) -> Iterator[tuple[Element, int]]:
+def plan_elements(
+    cost: StepCost, segments: Segments, keeps: Keeps | None = None, inner: Segments = ()
+) -> Iterator[tuple[Element, int]]:
     """The elements of a plan (validated `segments`; `keeps` validated by
-    `op_options.validate_keeps`) left to right, with their `boundary_shift`."""
+    `op_options.validate_keeps`; `inner` segments by `nested_model.validate_nested`) left
+    to right, with their `boundary_shift`. A segment with inner segments inside has the
+    backward of `nested_model.nested_backward`."""
+    from lightning_ckpt.planning.nested_model import direct_children, nested_backward
+
     terms = step_terms(cost)
     starts = {a: b for a, b in segments}
     keeps = keeps or {}
@@ -256,15 +262,19 @@ def plan_elements(cost: StepCost, segments: Segments, keeps: Keeps | None = None
             el = next(e for e in segment_elements(cost, i, terms) if e.last == starts[i])
             if keeps.get(i):
                 el = selective_element(el, kept_bytes(cost.blocks[i], keeps[i]))
+            elif inner and direct_children(i, starts[i], inner):
+                need, at = nested_backward(cost, i, starts[i], inner, terms.gradients_after)
+                el = el._replace(backward_bytes=terms.base_bytes + need, backward_block=at)
         else:
             el = kept_element(cost, i, terms)
         yield el, boundary_shift(cost, i, el.checkpointed, kept_before)
         i, kept_before = el.last + 1, not el.checkpointed
 
 
-def predict_peak(cost: StepCost, segments: Segments, keeps: Keeps | None = None) -> PeakBreakdown:
-    """Peak bytes of a whole training step under `segments` (already validated) and the op
-    outputs `keeps` keeps in blocks checkpointed alone (`selective_element`), by phase.
+def predict_peak(cost: StepCost, segments: Segments, keeps: Keeps | None = None, inner: Segments = ()) -> PeakBreakdown:
+    """Peak bytes of a whole training step under `segments` (already validated), the op
+    outputs `keeps` keeps in blocks checkpointed alone (`selective_element`), and the
+    `inner` segments rebuilt inside the recompute of those around them (`nested_model`), by phase.
 
     [recurrence] the elements left to right, R_e summing what those before e leave
     resident (shifts included):
@@ -278,7 +288,7 @@ def predict_peak(cost: StepCost, segments: Segments, keeps: Keeps | None = None)
     resident = 0
     fwd, bwd, bwd_at = 0, base_bytes(cost), -1
     kept_last = False
-    for el, shift in plan_elements(cost, segments, keeps):
+    for el, shift in plan_elements(cost, segments, keeps, inner):
         fwd = max(fwd, resident + shift + el.forward_bytes)
         if resident + shift + el.backward_bytes >= bwd:
             bwd, bwd_at = resident + shift + el.backward_bytes, el.backward_block

@@ -69,6 +69,9 @@ class Plan:
     granularity: str = "block"  # "op": blocks checkpointed alone may keep op outputs
     keeps: tuple[tuple[int, tuple[tuple[str, int], ...]], ...] = ()  # (block, kept op calls), ascending
     gap: float = 0.0  # `optimal` stopped at its time limit: at most this far above the optimum (share of the cost)
+    # segments recomputed inside another segment's recompute (multi-level plans): each lies strictly
+    # inside one of `segments` or of another inner segment; together with `segments` a nested family
+    inner_segments: tuple[tuple[int, int], ...] = ()
 
     @property
     def keep_ops(self) -> dict[int, tuple[tuple[str, int], ...]]:
@@ -166,6 +169,7 @@ class Plan:
             "granularity": self.granularity,
             "keeps": [[p, [list(k) for k in keys]] for p, keys in self.keeps],
             "gap": self.gap,
+            "inner_segments": [list(s) for s in self.inner_segments],
         }
 
     @classmethod
@@ -174,5 +178,6 @@ class Plan:
         kw = {k: v for k, v in data.items() if k in keys}
         kw["segments"] = tuple((int(a), int(b)) for a, b in data["segments"])
         kw["rows"] = tuple(BlockRow(**r) for r in data["rows"])
+        kw["inner_segments"] = tuple((int(a), int(b)) for a, b in data.get("inner_segments", ()))
         kw["keeps"] = tuple((int(p), tuple((str(o), int(i)) for o, i in keys)) for p, keys in data.get("keeps", ()))
         return cls(**kw)

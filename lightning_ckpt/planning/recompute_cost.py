@@ -90,11 +90,26 @@ def segment_overhead(metric: str, rates: MachineRates | None) -> float:
     return 1e3 * rates.segment_s if metric == "time" and rates is not None else 0  # an int: FLOPs stay exact
 
 
-def recompute_cost(cost: StepCost, segments: Segments, metric: str = "flops", keeps: Keeps | None = None) -> float:
+def recompute_cost(
+    cost: StepCost, segments: Segments, metric: str = "flops", keeps: Keeps | None = None, inner: Segments = ()
+) -> float:
     """Recompute cost of a plan: every checkpointed block is rebuilt exactly once, less
-    what the op outputs `keeps` keeps (blocks checkpointed alone, `op_options`) avoid."""
+    what the op outputs `keeps` keeps (blocks checkpointed alone, `op_options`) avoid;
+    a segment with `inner` segments inside costs `nested_model.nested_segment_cost`."""
+    from lightning_ckpt.planning.nested_model import direct_children, nested_segment_cost
+
     rates = metric_rates(cost, metric)
-    total = sum(segment_cost(cost, a, b, metric, rates) for a, b in segments)
+    total = 0
+    for a, b in segments:
+        if inner and direct_children(a, b, inner):
+            total += nested_segment_cost(
+                cost, a, b, inner,
+                lambda i: block_recompute(cost.blocks[i], metric, rates),
+                lambda i: skipped_tail(cost.blocks[i], metric, rates),
+                segment_overhead(metric, rates),
+            )
+        else:
+            total += segment_cost(cost, a, b, metric, rates)
     for p, keys in (keeps or {}).items():
         total -= kept_value(cost.blocks[p], keys, metric, rates)
     return total
