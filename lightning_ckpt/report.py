@@ -1,7 +1,8 @@
 """The plan report: JSON of the plan and its profile, and the memory/recompute trade-off plot.
 
 The curve is the optimal plan's recompute at every budget between the `full` and `none` peaks, with the
-fixed policies, the chosen plan and the budget marked. `plan_summary` and `plan_metrics` are what the
+multi-level curve below the `full` peak (segments rebuilt inside segments), the fixed policies, the chosen
+plan and the budget marked. `plan_summary` and `plan_metrics` are what the
 callback prints and logs. matplotlib is imported only here.
 """
 
@@ -13,6 +14,8 @@ from pathlib import Path
 
 from lightning_ckpt.planning.costs import StepCost
 from lightning_ckpt.planning.linear_fit import Profile
+from lightning_ckpt.planning.memory_model import base_bytes, optimizer_need
+from lightning_ckpt.planning.nested_model import depth_of
 from lightning_ckpt.planning.plan import Plan, format_bytes
 from lightning_ckpt.planning.policies import InfeasibleBudgetError, make_plan
 
@@ -44,18 +47,26 @@ def _axis_label(metric: str) -> str:
     }.get(metric, "recomputed forward (GFLOP per step)")
 
 
-def tradeoff_curve(cost: StepCost, points: int = 16, metric: str = "flops") -> list[TradeoffPoint]:
-    """The optimal plan at `points` budgets from the `full` peak to the `none` peak."""
-    lo = min(make_plan(cost, "full").predicted_peak_bytes, make_plan(cost, "none").predicted_peak_bytes)
-    hi = make_plan(cost, "none").predicted_peak_bytes
+def tradeoff_curve(cost: StepCost, points: int = 16, metric: str = "flops", max_levels: int = 1) -> list[TradeoffPoint]:
+    """The optimal plan at `points` budgets: single-level (`max_levels` = 1) from the `full`
+    peak to the `none` peak; multi-level from the step's floor (parameters, gradients,
+    optimizer state, batch) to the `full` peak, where nesting is what fits."""
+    full = make_plan(cost, "full").predicted_peak_bytes
+    none = make_plan(cost, "none").predicted_peak_bytes
+    if max_levels > 1:
+        lo = max(base_bytes(cost), optimizer_need(cost))
+        hi = min(full, none)
+    else:
+        lo, hi = min(full, none), none
+    label = "optimal" if max_levels == 1 else f"multi-level ({max_levels})"
     out: list[TradeoffPoint] = []
     for k in range(points):
         budget = int(lo + (hi - lo) * k / max(1, points - 1))
         try:
-            plan = make_plan(cost, "optimal", budget, metric=metric)
+            plan = make_plan(cost, "optimal", budget, metric=metric, max_levels=max_levels)
         except InfeasibleBudgetError:
             continue
-        out.append(TradeoffPoint("optimal", plan.predicted_peak_bytes, plan.recompute_flops, _cost_of(plan, metric)))
+        out.append(TradeoffPoint(label, plan.predicted_peak_bytes, plan.recompute_flops, _cost_of(plan, metric)))
     return out
 
 
@@ -136,11 +147,18 @@ def tradeoff_figure(cost: StepCost, plan: Plan, points: int = 16, metric: str = 
 
     mib = 2**20
     curve = tradeoff_curve(cost, points, metric)
+    levels = max(2, depth_of(plan.segments, plan.inner_segments))
+    nested = tradeoff_curve(cost, max(4, points // 2), metric, max_levels=levels)
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
     if curve:
         ax.step(
             [p.peak_bytes / mib for p in curve], [p.recompute_cost for p in curve],
             where="post", color="tab:blue", label="optimal plan at each budget",
+        )
+    if nested:
+        ax.plot(
+            [p.peak_bytes / mib for p in nested], [p.recompute_cost for p in nested], "o--", markersize=3,
+            color="tab:green", label=f"multi-level plans (up to {levels} levels), below the full peak",
         )
     for i, pt in enumerate(baseline_points(cost, metric)):
         ax.scatter(pt.peak_bytes / mib, pt.recompute_cost, marker="s", s=30, zorder=3)

@@ -31,8 +31,8 @@ def _probe(b: int) -> StepCost:
 PROFILE = Profile(probes=(_probe(1), _probe(2)))
 
 
-def _request(budget: int) -> PlanRequest:
-    return PlanRequest(budget_bytes=budget, policy="optimal", every_k=None, cost_metric="flops")
+def _request(budget: int, max_levels: int = 2) -> PlanRequest:
+    return PlanRequest(budget_bytes=budget, policy="optimal", every_k=None, cost_metric="flops", max_levels=max_levels)
 
 
 def test_cost_at_adds_the_static_memory_to_the_fitted_line():
@@ -51,12 +51,19 @@ def test_target_that_fits_gets_the_policy_plan():
 def test_target_that_cannot_fit_names_the_largest_batch_that_does():
     full_8 = make_plan(cost_at(PROFILE, 8, STATIC), "full").predicted_peak_bytes
     with pytest.raises(InfeasibleBudgetError, match=r"target_batch_size=8 .* the largest batch that fits with the best plan is (\d+)\. Lower") as info:
-        plan_for_target(PROFILE, STATIC, _request(full_8 - 1), 8)
+        plan_for_target(PROFILE, STATIC, _request(full_8 - 1, max_levels=1), 8)
     largest = int(info.value.args[0].split("plan is ")[1].split(".")[0])
     assert 1 <= largest < 8
-    assert plan_if_fits(cost_at(PROFILE, largest, STATIC), full_8 - 1) is not None
+    assert plan_if_fits(cost_at(PROFILE, largest, STATIC), full_8 - 1, max_levels=1) is not None
     with pytest.raises(InfeasibleBudgetError, match="not even batch size 1 fits"):
         plan_for_target(PROFILE, STATIC, _request(STATIC.resident_bytes), 8)
+
+
+def test_nested_segments_fit_a_target_below_the_full_peak():
+    """One byte under `full`'s peak nothing single-level fits; a multi-level plan does."""
+    full_8 = make_plan(cost_at(PROFILE, 8, STATIC), "full").predicted_peak_bytes
+    plan, _ = plan_for_target(PROFILE, STATIC, _request(full_8 - 1), 8)
+    assert plan.fits and plan.inner_segments and plan.batch_size == 8
 
 
 def test_max_is_the_largest_multiple_that_fits():

@@ -36,7 +36,7 @@ def check_target(target_batch_size: Any, batch_multiple: Any) -> None:
         )
 
 
-def check_policy(policy: Any, every_k: Any, cost_metric: Any, granularity: Any = "block") -> None:
+def check_policy(policy: Any, every_k: Any, cost_metric: Any, granularity: Any = "block", max_levels: Any = 2) -> None:
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r} is not a known policy; choose one of {', '.join(POLICIES)}.")
     if every_k is not None:
@@ -61,6 +61,11 @@ def check_policy(policy: Any, every_k: Any, cost_metric: Any, granularity: Any =
             f"granularity='op' is planned by policy='optimal' only (it chooses the op outputs to keep), but "
             f"policy={policy!r}; set policy='optimal' or granularity='block'."
         )
+    positive_int(
+        max_levels, "max_levels",
+        "it is how deep policy='optimal' may nest segments (1: single-level; 2: a segment's recompute may "
+        "checkpoint inner segments; 3: those may nest once more).",
+    )
 
 
 def check_blocks(blocks: Any) -> str | list[str] | None:

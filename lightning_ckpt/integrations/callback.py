@@ -64,6 +64,9 @@ class ActivationCheckpointing(Callback):
             (each block's forward timed once while profiling: noisy).
         granularity: ``block`` checkpoints whole blocks; ``op`` (with ``policy="optimal"``) also lets a
             block checkpointed alone keep some op outputs (matmuls, dropout masks) and recompute the rest.
+        max_levels: how deep ``policy="optimal"`` may nest segments: 1 plans single-level segments; 2 (the
+            default) lets a segment's recompute checkpoint inner segments of its own, used only when that
+            fits a budget nothing single-level fits or recomputes less (docs/usage.md, multi-level plans).
         batch_arg_name: attribute holding the loader's batch size (module, hparams or datamodule).
         probe_batch_sizes: the two small batch sizes profiled, slices of the first training batch
             (so at most its size); bytes are fitted as a line in them.
@@ -92,6 +95,7 @@ class ActivationCheckpointing(Callback):
         every_k: int | None = None,
         cost_metric: Literal["flops", "ms", "time"] = "time",
         granularity: Literal["block", "op"] = "block",
+        max_levels: int = 2,
         batch_arg_name: str = "batch_size",
         probe_batch_sizes: tuple[int, int] = (1, 2),
         check_batch_size: int | None = 4,
@@ -107,7 +111,8 @@ class ActivationCheckpointing(Callback):
         super().__init__()
         arguments.check_target(target_batch_size, batch_multiple)
         self.memory_budget = None if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
-        arguments.check_policy(policy, every_k, cost_metric, granularity)
+        arguments.check_policy(policy, every_k, cost_metric, granularity, max_levels)
+        self.max_levels = max_levels
         self.blocks = arguments.check_blocks(blocks)
         self.probe_batch_sizes = arguments.check_probes(probe_batch_sizes, check_batch_size)
         self.target_batch_size, self.batch_multiple = target_batch_size, batch_multiple
@@ -219,7 +224,7 @@ class ActivationCheckpointing(Callback):
             signature = resume.block_signature(self.block_names, self._blocks)
             resumed = resume.resumed_plan(
                 loaded, signature, self.target_batch_size, self._budget_bytes, self.policy, strict=self.strict_resume,
-                granularity=self.granularity,
+                granularity=self.granularity, max_levels=self.max_levels,
             )
             if resumed is None:
                 return plan_fn()
@@ -242,7 +247,9 @@ class ActivationCheckpointing(Callback):
         if not trainer.is_global_zero:
             return None  # every rank profiles (ZeRO-3 gathers parameters collectively); only rank 0 plans
         self._static = strategy_static_memory(trainer, pl_module)
-        request = target_plan.PlanRequest(self._budget_bytes, self.policy, self.every_k, self.cost_metric, self.granularity)
+        request = target_plan.PlanRequest(
+            self._budget_bytes, self.policy, self.every_k, self.cost_metric, self.granularity, self.max_levels
+        )
         if find_max:
             plan, self.cost = target_plan.plan_for_max(self.profile, self._static, request, self.batch_multiple)
             rank_zero_info(

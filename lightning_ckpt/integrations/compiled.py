@@ -58,13 +58,22 @@ def apply_plan(
     segments = plan.segments
     compiled = compiled_by(pl_module, blocks)
     if not compiled:
-        return apply_segments(blocks, segments, guard_batchnorm=guard_batchnorm, keep_ops=plan.keep_ops)
+        return apply_segments(
+            blocks, segments, guard_batchnorm=guard_batchnorm, keep_ops=plan.keep_ops, inner_segments=plan.inner_segments
+        )
     if plan.keeps:
         rank_zero_warn(
             f"lightning-ckpt: the plan keeps op outputs in {len(plan.keeps)} block(s) (granularity='op'), but the "
             f"model is compiled ({', '.join(compiled)}): inside a compiled graph those blocks are checkpointed whole, "
             "which recomputes more and holds less than the plan says. Use granularity='block' with torch.compile, "
             "or train the blocks eagerly to keep op outputs."
+        )
+    if plan.inner_segments:  # a plan made before compiling: compiled blocks chain into no segment
+        rank_zero_warn(
+            f"lightning-ckpt: the plan rebuilds {len(plan.inner_segments)} inner segment(s) inside the recompute of "
+            f"larger segments, but the model is compiled ({', '.join(compiled)}): compiled blocks are checkpointed "
+            "one per region, so the nesting is not applied and the step holds more than the plan predicts. Plan "
+            "again for the compiled model (strict_resume=False and a changed setting), or train the blocks eagerly."
         )
     if any(b > a for a, b in segments):  # a plan made before compiling (resumed from a checkpoint)
         rank_zero_info(

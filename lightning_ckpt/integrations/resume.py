@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_ckpt.planning.costs import StepCost
 from lightning_ckpt.planning.linear_fit import Profile
+from lightning_ckpt.planning.nested_model import depth_of
 from lightning_ckpt.planning.plan import Plan
 
 
@@ -61,6 +62,7 @@ def resumed_plan(
     *,
     strict: bool,
     granularity: str = "block",
+    max_levels: int = 2,
 ) -> ResumedPlan | None:
     """The plan of a loaded callback state when it matches this run; None to plan again."""
     if not loaded or loaded.get("plan") is None:
@@ -78,6 +80,9 @@ def resumed_plan(
         problems.append("memory_budget or policy changed")
     if plan.granularity != granularity:
         problems.append(f"the plan is at granularity {plan.granularity!r}, granularity is {granularity!r}")
+    levels = depth_of(plan.segments, plan.inner_segments)
+    if levels > max_levels:
+        problems.append(f"the plan nests segments {levels} levels deep, max_levels is {max_levels}")
     if problems:
         msg = f"lightning-ckpt: the checkpoint's plan does not match this run: {'; '.join(problems)}."
         if strict:

@@ -25,6 +25,7 @@ class PlanRequest:
     every_k: int | None
     cost_metric: str
     granularity: str = "block"
+    max_levels: int = 2  # policy="optimal" may nest segments this deep
 
 
 def cost_at(profile: Profile, batch_size: int, static: StaticMemory) -> StepCost:
@@ -43,7 +44,7 @@ def plan_for_target(profile: Profile, static: StaticMemory, request: PlanRequest
     try:
         plan = make_plan(
             cost, request.policy, request.budget_bytes, every_k=request.every_k, metric=request.cost_metric,
-            granularity=request.granularity,
+            granularity=request.granularity, max_levels=request.max_levels,
         )
     except InfeasibleBudgetError:
         plan = None
@@ -51,7 +52,7 @@ def plan_for_target(profile: Profile, static: StaticMemory, request: PlanRequest
         return plan, cost
     largest, _ = largest_batch(
         lambda b: cost_at(profile, b, static), request.budget_bytes, "optimal", upper=target, metric=request.cost_metric,
-        granularity=request.granularity,
+        granularity=request.granularity, max_levels=request.max_levels,
     )
     got = f"needs {format_bytes(plan.predicted_peak_bytes)}" if plan is not None else "cannot fit"
     hint = (
@@ -71,6 +72,7 @@ def plan_for_max(profile: Profile, static: StaticMemory, request: PlanRequest, m
     best, plan = largest_batch(
         lambda b: cost_at(profile, b, static), request.budget_bytes, request.policy, multiple,
         every_k=request.every_k, metric=request.cost_metric, granularity=request.granularity,
+        max_levels=request.max_levels,
     )
     if plan is None:
         raise InfeasibleBudgetError(

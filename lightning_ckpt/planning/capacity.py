@@ -18,10 +18,13 @@ CostAt = Callable[[int], StepCost]
 def plan_if_fits(
     cost: StepCost, budget_bytes: int, policy: str = "optimal", every_k: int | None = None, metric: str = "flops",
     granularity: str = "block",
+    max_levels: int = 2,
 ) -> Plan | None:
     """The policy's plan when it fits the budget, else None."""
     try:
-        plan = make_plan(cost, policy, budget_bytes, every_k=every_k, metric=metric, granularity=granularity)
+        plan = make_plan(
+            cost, policy, budget_bytes, every_k=every_k, metric=metric, granularity=granularity, max_levels=max_levels
+        )
     except InfeasibleBudgetError:
         return None
     return plan if plan.fits else None
@@ -37,6 +40,7 @@ def largest_batch(
     every_k: int | None = None,
     metric: str = "flops",
     granularity: str = "block",
+    max_levels: int = 2,
 ) -> tuple[int, Plan | None]:
     """(B, plan at B): the largest multiple of `multiple` whose plan fits; (0, None) if none.
 
@@ -47,7 +51,7 @@ def largest_batch(
         raise ValueError(f"batch_multiple={multiple} must be a positive integer (e.g. 8).")
 
     def fits(k: int) -> Plan | None:  # k counts multiples
-        return plan_if_fits(cost_at(k * multiple), budget_bytes, policy, every_k, metric, granularity)
+        return plan_if_fits(cost_at(k * multiple), budget_bytes, policy, every_k, metric, granularity, max_levels)
 
     lo, lo_plan = 0, None
     if upper is not None:

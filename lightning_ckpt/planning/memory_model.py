@@ -23,6 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from lightning_ckpt.planning.costs import StepCost, ckpt_forward_bytes
+from lightning_ckpt.planning.nested_model import direct_children, nested_backward
 from lightning_ckpt.planning.op_options import Keeps, kept_bytes
 
 Segments = Sequence[tuple[int, int]]
@@ -251,9 +252,11 @@ def plan_elements(
     `op_options.validate_keeps`; `inner` segments by `nested_model.validate_nested`) left
     to right, with their `boundary_shift`. A segment with inner segments inside has the
     backward of `nested_model.nested_backward`."""
-    from lightning_ckpt.planning.nested_model import direct_children, nested_backward
-
     terms = step_terms(cost)
+
+    def plain(a: int, b: int) -> Element:
+        return next(e for e in segment_elements(cost, a, terms) if e.last == b)
+
     starts = {a: b for a, b in segments}
     keeps = keeps or {}
     i, kept_before, n = 0, False, cost.n_blocks
@@ -263,7 +266,7 @@ def plan_elements(
             if keeps.get(i):
                 el = selective_element(el, kept_bytes(cost.blocks[i], keeps[i]))
             elif inner and direct_children(i, starts[i], inner):
-                need, at = nested_backward(cost, i, starts[i], inner, terms.gradients_after)
+                need, at = nested_backward(cost, i, starts[i], inner, terms, plain)
                 el = el._replace(backward_bytes=terms.base_bytes + need, backward_block=at)
         else:
             el = kept_element(cost, i, terms)

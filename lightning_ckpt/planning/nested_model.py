@@ -103,9 +103,7 @@ def inner_elements(first: int, last: int, inner: Sequence[Span]) -> list[tuple[i
     return out
 
 
-def nested_backward(
-    cost: StepCost, first: int, last: int, inner: Sequence[Span], gradients_after: Sequence[int]
-) -> tuple[int, int]:
+def nested_backward(cost: StepCost, first: int, last: int, inner: Sequence[Span], terms, plain) -> tuple[int, int]:
     """The backward peak of segment [first, last] above the step's base bytes (`memory_model.base_bytes`)
     and the bytes resident before it, and the block where it is reached (the last of equal ones).
 
@@ -124,11 +122,12 @@ def nested_backward(
     after a child also holds what it shares with the child's last block; a child after a
     block finds its input already resident when that block saved it. With no children
     this equals `memory_model.segment_elements`' backward.
-    """
-    from lightning_ckpt.planning.memory_model import segment_elements, step_terms
 
+    `terms` is `memory_model.step_terms(cost)`; `plain(a, b)` the plain segment's element
+    (`memory_model.segment_elements`), whose forward a child keeps inside the recompute.
+    """
     blocks = cost.blocks
-    terms = step_terms(cost)
+    gradients_after = terms.gradients_after
     base, fwd_grads = terms.base_bytes, terms.forward_grad_bytes
     elements = inner_elements(first, last, inner)
     held_grads = gradients_after[last] + blocks[last].output_bytes
@@ -142,14 +141,14 @@ def nested_backward(
             if prev_child is False:
                 resident -= blocks[a].input_saved_by_previous_bytes
             if direct_children(a, b, inner):
-                need, where = nested_backward(cost, a, b, inner, gradients_after)
+                need, where = nested_backward(cost, a, b, inner, terms, plain)
             else:
-                plain = _plain(cost, a, b, segment_elements, terms)
-                need, where = plain.backward_bytes - base, plain.backward_block
+                alone = plain(a, b)
+                need, where = alone.backward_bytes - base, alone.backward_block
             if resident + need >= best:
                 best, at = resident + need, where
             if j < len(elements) - 1:
-                fwd = _plain(cost, a, b, segment_elements, terms).forward_bytes - base - fwd_grads + held_grads
+                fwd = plain(a, b).forward_bytes - base - fwd_grads + held_grads
                 if resident + fwd >= best:
                     best, at = resident + fwd, b
             resident += blocks[a].input_bytes
@@ -166,10 +165,6 @@ def nested_backward(
     if resident + held_grads + scratch >= best:
         best, at = resident + held_grads + scratch, last
     return best, at
-
-
-def _plain(cost: StepCost, a: int, b: int, segment_elements, terms):
-    return next(e for e in segment_elements(cost, a, terms) if e.last == b)
 
 
 def nested_segment_cost(
@@ -206,3 +201,22 @@ def depth_of(segments: Sequence[Span], inner: Sequence[Span]) -> int:
         return 1 + max((depth(c, d) for c, d in direct_children(a, b, inner)), default=0)
 
     return max(depth(a, b) for a, b in segments)
+
+
+def recompute_counts(n_blocks: int, segments: Sequence[Span], inner: Sequence[Span]) -> list[int]:
+    """How many times each block's forward runs again in the backward (`nested_segment_cost`'s
+    rule, counting a block whose tail early stop skips as run): 0 kept, 1 in a plain segment."""
+    runs = [0] * n_blocks
+
+    def visit(a: int, b: int) -> None:
+        elements = inner_elements(a, b, inner)
+        end = elements[-1][0] if elements[-1][2] else b + 1
+        for i in range(a, end):
+            runs[i] += 1
+        for c, d, child in elements:
+            if child:
+                visit(c, d)
+
+    for a, b in segments:
+        visit(a, b)
+    return runs

@@ -37,6 +37,7 @@ from lightning_ckpt.planning.memory_model import (
 from lightning_ckpt.planning.recompute_cost import block_recompute, metric_rates, segment_overhead, skipped_tail
 
 INF = np.inf
+NESTED_MAX_BLOCKS = 96  # O(n^3) vector operations per level: about half a second at 48 blocks and 2 levels
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,24 @@ def format_flops(n: float) -> str:
     return f"{n:.0f}"
 
 
+def nesting_trees(segments, inner) -> list[str]:
+    """One line per top-level segment with inner segments: its recompute, left to right, e.g.
+    `seg 3 [10-17]: [10-12: 10 [11-12]] 13 [14-17]` (brackets: inner segments, nested)."""
+    from lightning_ckpt.planning.nested_model import inner_elements
+
+    def show(a: int, b: int) -> str:
+        elements = inner_elements(a, b, inner)
+        if not any(child for *_, child in elements):
+            return f"[{a}-{b}]"
+        return f"[{a}-{b}: " + " ".join(show(c, d) if child else str(c) for c, d, child in elements) + "]"
+
+    lines = []
+    for j, (a, b) in enumerate(segments):
+        if any(a <= c and d <= b for c, d in inner):
+            lines.append(f"seg {j} " + show(a, b))
+    return lines
+
+
 @dataclass(frozen=True)
 class BlockRow:
     """One row of the plan table."""
@@ -48,6 +66,8 @@ class BlockRow:
     kept_flops: int = 0  # the FLOPs of the kept calls, not recomputed
     kept_est_ms: float = 0.0  # their estimated time, not recomputed
     keeps: str = ""  # what is kept and recomputed, for people (`op_options.describe_keeps`)
+    level: int = 0  # segments around the block: 0 kept, 1 checkpointed, 2 also in an inner segment, ...
+    recomputes: int = 0  # times its forward runs again in the backward (more than 1 in nested plans)
 
 
 @dataclass(frozen=True)
@@ -97,10 +117,12 @@ class Plan:
 
     def __str__(self) -> str:
         estimated = self.recompute_est_ms is not None
-        head = f"{'block':>5}  {'name':<28} {'decision':<12} {'seg':>4} {'saved':>10} {'boundary':>10} {'recompute':>11}"
+        head = f"{'block':>5}  {'name':<28} {'decision':<12} {'seg':>4} {'saved':>10} {'boundary':>10} {'recompute':>14}"
         if estimated:
             head += f" {'est. ms':>8}"
         selective = f", {len(self.keeps)} of them keep op outputs" if self.keeps else ""
+        if self.inner_segments:
+            selective += f", {len(self.inner_segments)} inner segment(s) over {max(r.level for r in self.rows)} levels"
         lines = [
             f"lightning-ckpt plan: policy={self.policy}, batch_size={self.batch_size}, "
             f"{len(self.checkpointed)}/{self.n_blocks} blocks checkpointed in {len(self.segments)} segment(s)"
@@ -110,19 +132,30 @@ class Plan:
         ]
         for r in self.rows:
             decision = ("selective" if r.keeps else "checkpoint") if r.checkpointed else "keep"
+            if r.level > 1:
+                decision = f"nested L{r.level}"
             seg = str(r.segment) if r.segment >= 0 else "-"
-            recompute = format_flops(r.fwd_flops - r.kept_flops) if r.checkpointed else "0"
+            times = max(1, r.recomputes)
+            recompute = format_flops(times * r.fwd_flops - r.kept_flops) if r.checkpointed else "0"
+            if times > 1:
+                recompute = f"{recompute} x{times}"
             name = r.name if len(r.name) <= 28 else "..." + r.name[-25:]
             line = (
                 f"{r.index:>5}  {name:<28} {decision:<12} {seg:>4} {format_bytes(r.saved_bytes):>10} "
-                f"{format_bytes(r.input_bytes):>10} {recompute:>11}"
+                f"{format_bytes(r.input_bytes):>10} {recompute:>14}"
             )
             if estimated:
-                line += f" {(r.fwd_est_ms or 0.0) - r.kept_est_ms if r.checkpointed else 0.0:>8.2f}"
+                line += f" {times * (r.fwd_est_ms or 0.0) - r.kept_est_ms if r.checkpointed else 0.0:>8.2f}"
             if r.keeps:
                 line += f"  {r.keeps} (+{format_bytes(r.kept_bytes)})"
             lines.append(line)
         lines.append("-" * len(head))
+        if self.inner_segments:
+            lines.append(
+                "nested: each [first-last] is rebuilt inside the recompute of the segment around it, saving only its input; "
+                "blocks outside brackets save in that recompute"
+            )
+            lines.extend(f"  {tree}" for tree in nesting_trees(self.segments, self.inner_segments))
         budget = format_bytes(self.budget_bytes) if self.budget_bytes is not None else "none"
         verdict = "fits" if self.fits else "DOES NOT FIT"
         lines.append(

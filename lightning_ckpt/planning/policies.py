@@ -19,6 +19,8 @@ from lightning_ckpt.planning.memory_model import (
     segment_of,
     validate_segments,
 )
+from lightning_ckpt.planning.nested_model import recompute_counts, validate_nested
+from lightning_ckpt.planning.nested_planner import NESTED_MAX_BLOCKS, solve_nested
 from lightning_ckpt.planning.op_options import (
     GRANULARITIES,
     Keeps,
@@ -170,14 +172,51 @@ def _optimal(
 # ----------------------------------------------------------------------------- entry point
 
 
-def _infeasible_message(cost: StepCost, budget_bytes: int, policy: str) -> str:
+def _infeasible_message(cost: StepCost, budget_bytes: int, policy: str, max_levels: int = 1) -> str:
     floor = cost.static_bytes + cost.grad_bytes + cost.optimizer_transient_bytes
+    if policy != "optimal":
+        levels = ""
+    elif max_levels > 1 and cost.n_blocks <= NESTED_MAX_BLOCKS:
+        levels = f" (with segments nested up to {max_levels} levels deep)"
+    elif max_levels > 1:
+        levels = (
+            f" (nested segments were not searched: the chain has {cost.n_blocks} blocks, over the "
+            f"{NESTED_MAX_BLOCKS} the multi-level planner takes)"
+        )
+    else:
+        levels = " (max_levels=1: raise it to let segments be rebuilt in nested segments, which holds fewer boundaries)"
     return (
         f"policy={policy!r} found no plan for batch_size={cost.batch_size} within memory_budget="
         f"{format_bytes(budget_bytes)}: parameters, gradients and optimizer state alone take "
-        f"{format_bytes(floor)} and no choice of checkpointed blocks brings the activations under the rest. "
+        f"{format_bytes(floor)} and no choice of checkpointed blocks{levels} brings the activations under the rest. "
         "Lower target_batch_size or raise memory_budget."
     )
+
+
+def optimal_nested(
+    cost: StepCost, budget_bytes: int, metric: str = "flops", granularity: str = "block",
+    time_limit_s: float | None = 2.0, max_levels: int = 2,
+) -> tuple[ChainSolution | None, tuple[tuple[int, int], ...]]:
+    """The exact single-level optimum (`solve_chain`), replaced by a multi-level plan
+    (`nested_planner`) only when that one fits and recomputes strictly less, or when no
+    single-level plan fits. Returns (the single-level solution or None, the inner segments);
+    with inner segments the solution's segments and gap are the multi-level plan's."""
+    try:
+        plain = _optimal(cost, budget_bytes, metric, None, granularity, time_limit_s)
+    except InfeasibleBudgetError:
+        plain = None
+    if max_levels < 2 or cost.n_blocks > NESTED_MAX_BLOCKS or (plain is not None and not plain.segments):
+        return plain, ()
+    nested = solve_nested(cost, budget_bytes, metric, max_levels)
+    if nested is None or not nested.inner:
+        return plain, ()
+    ours = recompute_cost(cost, nested.segments, metric, None, nested.inner)
+    if plain is not None and not ours < recompute_cost(cost, plain.segments, metric, plain.keeps) * (1 - 1e-12):
+        return plain, ()
+    peak = predict_peak(cost, nested.segments, None, nested.inner).peak_bytes
+    if peak > budget_bytes:  # pragma: no cover - the slots round every need up
+        return plain, ()
+    return ChainSolution(ours, peak, list(nested.segments)), nested.inner
 
 
 def make_plan(
@@ -190,6 +229,8 @@ def make_plan(
     granularity: str = "block",
     keeps: Keeps | None = None,
     time_limit_s: float | None = 2.0,
+    max_levels: int = 2,
+    inner_segments: Sequence[tuple[int, int]] = (),
 ) -> Plan:
     """Build the `Plan` of `policy` for `cost`.
 
@@ -206,7 +247,17 @@ def make_plan(
     time (chains of a thousand blocks usually do, in under a second); otherwise the plan
     is the best found and `plan.gap` says how far above the optimum it can be (proven).
     None searches until the optimum is found.
+
+    max_levels lets `optimal` rebuild a segment under an inner plan of its own, nested up to
+    that many levels (1: single-level plans only). It does so only when that fits a budget
+    no single-level plan fits, or recomputes less (`optimal_nested`). `inner_segments` gives
+    such segments by hand, with `segments`.
     """
+    if not isinstance(max_levels, int) or isinstance(max_levels, bool) or max_levels < 1:
+        raise ValueError(
+            f"max_levels={max_levels!r} must be an integer >= 1: 1 plans single-level segments, 2 lets a "
+            "segment's recompute checkpoint inner segments, 3 lets those nest once more."
+        )
     if policy not in POLICIES and not (policy == "manual" and segments is not None):
         raise ValueError(f"policy={policy!r} is not a known policy; choose one of {', '.join(POLICIES)}.")
     metric_rates(cost, metric)  # an unknown metric, or `time` without measured rates, fails here
@@ -216,7 +267,9 @@ def make_plan(
         raise ValueError(f"granularity={granularity!r} is not known; choose one of {', '.join(GRANULARITIES)}.")
     if needs_budget and budget_bytes is None:
         raise ValueError(f"policy={policy!r} chooses blocks to fit a budget, so it needs budget_bytes; none was given.")
-    gap = 0.0
+    gap, inner = 0.0, tuple(inner_segments)
+    if inner and segments is None:
+        raise ValueError("inner_segments are given by hand with the segments around them: pass segments as well.")
     if segments is not None:
         segs = list(segments)
     elif policy == "none":
@@ -233,7 +286,9 @@ def make_plan(
     elif policy == "greedy":
         segs = greedy_segments(cost, budget_bytes, metric)
     else:
-        found = _optimal(cost, budget_bytes, metric, None, granularity, time_limit_s)
+        found, inner = optimal_nested(cost, budget_bytes, metric, granularity, time_limit_s, max_levels)
+        if found is None:
+            raise InfeasibleBudgetError(_infeasible_message(cost, budget_bytes, "optimal", max_levels))
         segs, keeps, gap = found.segments, found.keeps, found.gap
     segs = validate_segments(n, segs)
     if not _chainable(cost, segs):
@@ -241,7 +296,9 @@ def make_plan(
             "a segment spans a block that does not take the previous block's output as its first argument; "
             "such blocks can only be checkpointed one per segment."
         )
-    plan = build_plan(cost, segs, policy if segments is None else "manual", budget_bytes, metric, keeps, granularity)
+    plan = build_plan(
+        cost, segs, policy if segments is None else "manual", budget_bytes, metric, keeps, granularity, inner
+    )
     return dataclasses.replace(plan, gap=gap) if gap else plan
 
 
@@ -261,11 +318,25 @@ def build_plan(
     metric: str = "flops",
     keeps: Keeps | None = None,
     granularity: str = "block",
+    inner_segments: Sequence[tuple[int, int]] = (),
 ) -> Plan:
     segs = validate_segments(cost.n_blocks, segments)
+    inner = validate_nested(cost.n_blocks, segs, inner_segments)
+    if inner and not _chainable(cost, inner):
+        raise ValueError(
+            "an inner segment spans a block that does not take the previous block's output as its first argument; "
+            "such blocks can only be checkpointed one per segment."
+        )
     kept = validate_keeps(cost, segs, keeps)
-    peak = predict_peak(cost, segs, kept)
+    if any(a <= p <= b for p in kept for a, b in inner):
+        raise ValueError(
+            "op outputs can be kept only in a top-level segment of one block, but the keeps name a block inside an "
+            "inner segment; drop those keeps or the inner segment."
+        )
+    peak = predict_peak(cost, segs, kept, inner)
     owner = segment_of(cost.n_blocks, segs)
+    levels = [int(owner[i] >= 0) + sum(a <= i <= b for a, b in inner) for i in range(cost.n_blocks)]
+    runs = recompute_counts(cost.n_blocks, segs, inner)
     rates = cost.rates  # estimated times are shown whenever the profile measured rates
     rows = tuple(
         BlockRow(
@@ -277,6 +348,8 @@ def build_plan(
             kept_flops=int(kept_value(b, kept.get(i, ()), "flops", None)),
             kept_est_ms=0.0 if rates is None else kept_value(b, kept.get(i, ()), "time", rates),
             keeps=describe_keeps(b, kept[i]) if i in kept else "",
+            level=levels[i],
+            recomputes=runs[i],
         )
         for i, b in enumerate(cost.blocks)
     )
@@ -289,13 +362,14 @@ def build_plan(
         peak_phase=peak.phase,
         budget_bytes=None if budget_bytes is None else int(budget_bytes),
         static_bytes=int(cost.static_bytes),
-        recompute_flops=int(recompute_cost(cost, segs, "flops", kept)),
-        recompute_ms=float(recompute_cost(cost, segs, "ms", kept)),
+        recompute_flops=int(recompute_cost(cost, segs, "flops", kept, inner)),
+        recompute_ms=float(recompute_cost(cost, segs, "ms", kept, inner)),
         step_flops=3 * fwd_flops,
         rows=rows,
         cost_metric=metric,
-        recompute_est_ms=None if rates is None else float(recompute_cost(cost, segs, "time", kept)),
+        recompute_est_ms=None if rates is None else float(recompute_cost(cost, segs, "time", kept, inner)),
         rates=None if rates is None else rates.to_dict(),
         granularity=granularity,
         keeps=tuple(sorted(kept.items())),
+        inner_segments=tuple(inner),
     )

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from lightning_ckpt.planning.costs import StepCost
 from lightning_ckpt.planning.machine_rates import MachineRates
+from lightning_ckpt.planning.nested_model import direct_children, nested_segment_cost
 from lightning_ckpt.planning.op_options import Keeps, kept_value
 
 Segments = Sequence[tuple[int, int]]
@@ -96,8 +97,6 @@ def recompute_cost(
     """Recompute cost of a plan: every checkpointed block is rebuilt exactly once, less
     what the op outputs `keeps` keeps (blocks checkpointed alone, `op_options`) avoid;
     a segment with `inner` segments inside costs `nested_model.nested_segment_cost`."""
-    from lightning_ckpt.planning.nested_model import direct_children, nested_segment_cost
-
     rates = metric_rates(cost, metric)
     total = 0
     for a, b in segments:
