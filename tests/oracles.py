@@ -274,3 +274,62 @@ def reference_optimal_segments(
         else:
             lo = mid
     return segs
+
+
+# ----------------------------------------------------------------------------- nested plans
+
+
+def inner_plans(cost: StepCost, a: int, b: int, levels: int):
+    """Every set of inner segments of segment [a, b] nesting at most `levels` - 1 more
+    levels (only [] when `levels` is 1 or the segment has one block)."""
+    if levels <= 1 or a == b:
+        yield []
+        return
+
+    def rest(p: int):
+        if p > b:
+            yield []
+            return
+        yield from rest(p + 1)  # block p saves in the recompute
+        for e in range(p, b + 1):
+            if (p, e) == (a, b):
+                continue
+            if e > p and not cost.blocks[e].chains_from_previous:
+                break
+            for sub in inner_plans(cost, p, e, levels - 1):
+                for tail in rest(e + 1):
+                    yield [(p, e), *sub, *tail]
+
+    yield from rest(a)
+
+
+def all_nested_plans(cost: StepCost, levels: int):
+    """Every (segments, inner segments) of the chain, segments nested at most `levels` deep."""
+    n = cost.n_blocks
+
+    def rest(p: int):
+        if p >= n:
+            yield [], []
+            return
+        yield from rest(p + 1)
+        for e in range(p, n):
+            if e > p and not cost.blocks[e].chains_from_previous:
+                break
+            for sub in inner_plans(cost, p, e, levels):
+                for segs, inner in rest(e + 1):
+                    yield [(p, e), *segs], [*sub, *inner]
+
+    yield from rest(0)
+
+
+def brute_force_nested(cost: StepCost, budget: int, levels: int, metric: str = "flops"):
+    """(least recompute, segments, inner) over every nested plan within `budget`, or None."""
+    best = None
+    for segs, inner in all_nested_plans(cost, levels):
+        inner = sorted(inner)
+        if predict_peak(cost, segs, None, inner).peak_bytes > budget:
+            continue
+        c = recompute_cost(cost, segs, metric, None, inner)
+        if best is None or c < best[0]:
+            best = (c, segs, inner)
+    return best

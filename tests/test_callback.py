@@ -459,3 +459,51 @@ def test_hooks_are_marked_override_and_fit_adds_no_attributes():
     _fit([cb], max_steps=2)
     attached_by_lightning = {"log", "log_dict"}  # the module's logging methods, put on every callback by the Trainer
     assert set(vars(cb)) - attached_by_lightning == before
+
+
+# ----------------------------------------------------------------------------- multi-level plans
+
+LONG_SEQ = 64  # boundaries of 64 tokens: each block saves 11x its input, far above the gradients
+
+
+@pytest.fixture(scope="module")
+def under_full_peak():
+    """One byte under `full`'s predicted peak at batch 8 with sequences of `LONG_SEQ` tokens: no
+    single-level plan fits there, a plan that rebuilds segments inside a segment's recompute does."""
+    from lightning_ckpt.planning.policies import make_plan
+
+    probe = ActivationCheckpointing(target_batch_size=8, memory_budget="1GiB", policy="none", verbose=False, report=False)
+    _fit([probe], max_steps=1, data=TokenData(batch_size=8, seq=LONG_SEQ))
+    return make_plan(probe.cost, "full").predicted_peak_bytes - 1
+
+
+def test_nested_plan_fits_under_full_peak_and_trains_bit_identically(under_full_peak):
+    """max_levels=2 (the default): the plan has inner segments, fits, and 3 steps (fp32, dropout on)
+    give the losses and gradients of the run without the callback, bit for bit."""
+    cb = ActivationCheckpointing(target_batch_size=8, memory_budget=under_full_peak, verbose=False, report=False)
+    model, _, _ = _fit([cb], data=TokenData(batch_size=8, seq=LONG_SEQ))
+    reference, _, _ = _fit([], data=TokenData(batch_size=8, seq=LONG_SEQ))
+    plan = cb.plan
+    assert plan.inner_segments and plan.fits and plan.predicted_peak_bytes <= under_full_peak
+    assert max(r.level for r in plan.rows) == 2 and "nested L2" in str(plan)
+    assert len(model.losses) == 3
+    for a, b in zip(model.losses, reference.losses):
+        assert torch.equal(a, b)
+    assert model.last_grads.keys() == reference.last_grads.keys() and len(model.last_grads) > 10
+    for name, g in reference.last_grads.items():
+        assert torch.equal(model.last_grads[name], g), name
+
+
+def test_single_level_under_full_peak_is_infeasible(under_full_peak):
+    """max_levels=1 at the budget the nested plan fits: the target cannot fit, and the error says
+    that max_levels=1 is why (raising it is the way out) and names the largest batch that fits."""
+    cb = ActivationCheckpointing(
+        target_batch_size=8, memory_budget=under_full_peak, max_levels=1, verbose=False, report=False
+    )
+    match = r"target_batch_size=8 with policy='optimal'.*max_levels=1.* the largest batch that fits with the best plan is (\d+)"
+    with pytest.raises(InfeasibleBudgetError, match=match) as info:
+        _fit([cb], data=TokenData(batch_size=8, seq=LONG_SEQ), max_steps=1)
+    assert cb.plan is None
+    import re
+
+    assert 1 <= int(re.search(r"plan is (\d+)", str(info.value)).group(1)) < 8

@@ -37,3 +37,23 @@ def test_nothing_fits_and_no_growth():
         largest_batch(flat, 10**6, limit=64)
     with pytest.raises(ValueError, match="batch_multiple=0 must be a positive integer"):
         largest_batch(cost_at, 10**6, multiple=0)
+
+
+
+def test_nesting_never_lowers_the_largest_batch_and_raises_it_at_full_peaks():
+    """At `full`'s peak for batch b, single-level plans reach b; one byte under, they stop below b while
+    a plan with inner segments still fits b. From batch 24 on, nesting fits b + 1 at `full`'s peak itself."""
+    from lightning_ckpt.planning.policies import make_plan
+
+    for b in (8, 24, 64):
+        full = make_plan(cost_at(b), "full").predicted_peak_bytes
+        single, nested = (largest_batch(cost_at, full, max_levels=k)[0] for k in (1, 2))
+        assert single == b <= nested
+        assert (nested > b) == (b >= 24)
+        single, _ = largest_batch(cost_at, full - 1, max_levels=1)
+        nested, plan = largest_batch(cost_at, full - 1, max_levels=2)
+        assert single < b <= nested and plan.inner_segments and plan.fits and plan.batch_size == nested
+        assert plan_if_fits(cost_at(b), full - 1, max_levels=1) is None
+        assert plan_if_fits(cost_at(nested + 1), full - 1, max_levels=2) is None
+    for budget in (1500, 1999, 4000, 20000):
+        assert largest_batch(cost_at, budget, max_levels=2)[0] >= largest_batch(cost_at, budget, max_levels=1)[0]

@@ -266,3 +266,29 @@ def test_op_level_keeps_under_compile_are_refused_loudly():
         applied = apply_plan(outer, list(net.blocks), [f"blocks.{i}" for i in range(8)], plan, True)
     assert applied.keep_ops == {}
     applied.remove()
+
+
+def test_inner_segments_under_compile_are_refused_loudly():
+    """A multi-level plan (made before compiling, e.g. resumed) cannot nest regions in a compiled graph:
+    one warning with the way out, every block of the segments becomes a one-block region and no inner
+    segment is applied; the same plan on the eager blocks keeps its inner segment."""
+    from lightning_ckpt.integrations.compiled import apply_plan
+    from lightning_ckpt.planning.plan import Plan
+
+    net = Net()
+    names = [f"blocks.{i}" for i in range(8)]
+    plan = Plan(
+        policy="optimal", batch_size=4, segments=((0, 3),), predicted_peak_bytes=1, peak_phase="forward",
+        budget_bytes=None, static_bytes=0, recompute_flops=0, recompute_ms=0.0, step_flops=0, rows=(),
+        inner_segments=((1, 2),),
+    )
+    with pytest.warns(UserWarning, match=r"rebuilds 1 inner segment\(s\) inside the recompute of larger segments, but "
+                      r"the model is compiled \(0\): .*nesting is not applied.*Plan again for the compiled model"):
+        applied = apply_plan(nn.Sequential(torch.compile(net)), list(net.blocks), names, plan, True)
+    assert applied.segments == [(0, 0), (1, 1), (2, 2), (3, 3)] and applied.inner_segments == []
+    applied.remove()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        eager = apply_plan(nn.Sequential(net), list(net.blocks), names, plan, True)
+    assert eager.segments == [(0, 3)] and eager.inner_segments == [(1, 2)]
+    eager.remove()

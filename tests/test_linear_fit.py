@@ -55,3 +55,23 @@ def test_ops_round_trip_through_dicts():
     again = StepCost.from_dict(cost.to_dict())
     assert again.blocks[0].ops == cost.blocks[0].ops
     assert isinstance(again.blocks[0].ops[0], OpCost)
+
+
+def test_keep_savings_follow_a_line_that_may_go_below_zero():
+    """Measured savings of keeping (`profiling.keep_calibration`) are fitted like `fwd_ms`, but
+    not clamped at 0: a negative saving says keeping loses time. One probe without them: None."""
+    import dataclasses
+
+    a, b = _step(1, _ops(1)), _step(2, _ops(2))
+
+    def saving(step: StepCost, all_ms: float | None, draws_ms: float | None) -> StepCost:
+        block = dataclasses.replace(step.blocks[0], keep_saved_ms=all_ms, keep_draws_saved_ms=draws_ms)
+        return dataclasses.replace(step, blocks=(block,))
+
+    fitted = Profile((saving(a, -1.0, 0.5), saving(b, 0.5, 1.0))).at(8).blocks[0]
+    assert fitted.keep_saved_ms == 9.5 and fitted.keep_draws_saved_ms == 4.0
+    below = Profile((saving(a, -1.0, 0.5), saving(b, -2.0, 0.25))).at(4).blocks[0]
+    assert below.keep_saved_ms == -4.0 and below.keep_draws_saved_ms == -0.25
+    assert Profile((saving(a, -1.0, 0.5), b)).at(8).blocks[0].keep_saved_ms is None
+    back = Profile.from_dict(Profile((saving(a, -1.0, None), saving(b, 0.5, None))).to_dict())
+    assert back.at(8).blocks[0].keep_saved_ms == 9.5 and back.at(8).blocks[0].keep_draws_saved_ms is None

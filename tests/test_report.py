@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 
 import matplotlib.image as mpimg
+import pytest
 from test_capacity import cost_at
 
-from lightning_ckpt.planning.policies import make_plan
+from lightning_ckpt.planning.costs import StepCost
+from lightning_ckpt.planning.policies import InfeasibleBudgetError, make_plan
 from lightning_ckpt.report import (
     plot_tradeoff,
     tradeoff_curve,
@@ -103,3 +105,42 @@ def test_write_report_without_cost_writes_only_the_json(tmp_path):
     assert write_report(tmp_path / "a", plan, None, None) == [tmp_path / "a" / REPORT_JSON]
     assert write_report(tmp_path / "b", plan, None, cost) == [tmp_path / "b" / REPORT_JSON, tmp_path / "b" / REPORT_PNG]
     assert json.loads((tmp_path / "a" / REPORT_JSON).read_text())["cost"] is None
+
+
+def interior_chain(n: int = 8, b: int = 8) -> StepCost:
+    """`cost_at`'s blocks (each saves 20x its input), `n` of them: nesting reaches below `full`'s peak."""
+    return StepCost(blocks=cost_at(b).blocks[:1] * n, batch_size=b, static_bytes=1000)
+
+
+def test_multi_level_curve_reaches_below_every_single_level_plan():
+    """Points under the lowest single-level peak come only from plans with inner segments; each
+    such point's plan fits its peak as a budget, which nothing single-level does."""
+    cost = interior_chain()
+    full = make_plan(cost, "full").predicted_peak_bytes
+    single = tradeoff_curve(cost, points=12)
+    multi = tradeoff_curve(cost, points=12, max_levels=2)
+    lowest = min(p.peak_bytes for p in single)
+    below = [p for p in multi if p.peak_bytes < lowest]
+    assert below and lowest == full and max(p.peak_bytes for p in multi) <= full
+    assert all(p.label == "multi-level (2)" for p in multi) and all(p.label == "optimal" for p in single)
+    for p in below:
+        plan = make_plan(cost, "optimal", p.peak_bytes, max_levels=2)
+        assert plan.fits and plan.inner_segments and plan.recompute_flops == p.recompute_flops
+        with pytest.raises(InfeasibleBudgetError, match=r"max_levels=1"):
+            make_plan(cost, "optimal", p.peak_bytes, max_levels=1)
+
+
+@pytest.mark.parametrize("n_blocks", [4, 8])
+def test_figure_draws_the_multi_level_curve_below_the_full_peak(n_blocks):
+    """At the plot's default density the multi-level line has a point where only nested plans fit
+    (on 4 blocks only the last 40 bytes under `full`'s peak fit them, of the 960 from the step's floor)."""
+    cost = interior_chain(n_blocks)
+    full = make_plan(cost, "full").predicted_peak_bytes
+    plan = make_plan(cost, "optimal", full - 1)
+    assert plan.inner_segments
+    fig = tradeoff_figure(cost, plan)
+    labels = fig.axes[0].get_legend_handles_labels()[1]
+    assert "multi-level plans (up to 2 levels), below the full peak" in labels
+    lines = [ln for ln in fig.axes[0].lines if ln.get_label().startswith("multi-level plans")]
+    assert len(lines) == 1
+    assert min(lines[0].get_xdata()) < full / 2**20

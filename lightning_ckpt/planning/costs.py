@@ -49,6 +49,10 @@ class OpCost:
         return (self.op, self.call_index)
 
 
+# measured differences of two times: a negative one is information (keeping lost time), not an error
+_SIGNED = ("keep_saved_ms", "keep_draws_saved_ms")
+
+
 @dataclass(frozen=True)
 class BlockCost:
     """One block of the chain at one batch size.
@@ -95,6 +99,12 @@ class BlockCost:
         checkpointing (ZeRO-3 fetches its partitioned parameters again; `profiling.gather`).
         The same at every batch size; 0 when the block is not sharded.
     ops: the block's op calls in forward order (`OpCost`); empty when not profiled per op.
+    keep_saved_ms: measured time one forward + backward of the block, checkpointed alone, saves
+        when it keeps every call an op-level option may keep (`op_options.option_items`) instead
+        of none; negative when keeping cost more than it saved. None when not measured
+        (`profiling.keep_calibration`).
+    keep_draws_saved_ms: the same when it keeps only its random calls; None when not measured
+        or when it has none to keep.
     """
 
     name: str
@@ -119,10 +129,14 @@ class BlockCost:
     chains_from_previous: bool = True
     gather_bytes: int = 0
     ops: tuple[OpCost, ...] = ()
+    keep_saved_ms: float | None = None
+    keep_draws_saved_ms: float | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.name in _SIGNED:
+                continue
             if f.name.endswith(("_bytes", "_flops", "_ms")) and value is not None and value < 0:
                 raise ValueError(
                     f"BlockCost {self.name!r}: {f.name}={value} is negative; costs are sizes and times, "

@@ -34,6 +34,8 @@ _BLOCK_LINEAR = (
 # each tail is part of its forward: (tail, whole)
 _TAILS = (("tail_flops", "fwd_flops"), ("tail_mem_bytes", "fwd_mem_bytes"), ("tail_rng_bytes", "fwd_rng_bytes"))
 _STEP_LINEAR = ("pre_saved_bytes", "batch_bytes", "post_saved_bytes")
+# measured time differences (`profiling.keep_calibration`), on a line like `fwd_ms` when both probes have them
+_SIGNED_TIMES = ("keep_saved_ms", "keep_draws_saved_ms")
 
 
 def _line(x1: float, y1: float, x2: float, y2: float, x: float) -> float:
@@ -122,6 +124,9 @@ class Profile:
             for tail, whole in _TAILS:
                 kw[tail] = min(kw[tail], kw[whole])
             kw["chains_from_previous"] = b1.chains_from_previous and b2.chains_from_previous
+            for f in _SIGNED_TIMES:  # a saving may be negative (keeping lost time): not clamped at 0
+                v1, v2 = getattr(b1, f), getattr(b2, f)
+                kw[f] = None if v1 is None or v2 is None else _line(x1, v1, x2, v2, batch_size)
             kw["ops"] = _fit_ops(b1.ops, b2.ops, x1, x2, batch_size)
             if not kw["ops"] and b3 is not None and batch_size > x2:
                 # a batch of one can run other ops (a reshape that copies from batch two on):

@@ -76,7 +76,7 @@ def validate_nested(n_blocks: int, segments: Sequence[Span], inner_segments: Seq
 
 def direct_children(first: int, last: int, inner: Sequence[Span]) -> list[Span]:
     """The largest inner segments strictly inside [first, last], in order (validated `inner`)."""
-    inside = sorted((a, b) for a, b in inner if first <= a and b <= last and (a, b) != (first, last))
+    inside = sorted(((a, b) for a, b in inner if first <= a and b <= last and (a, b) != (first, last)), key=lambda s: (s[0], -s[1]))
     out: list[Span] = []
     for a, b in inside:
         if out and a <= out[-1][1]:

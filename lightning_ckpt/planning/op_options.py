@@ -6,6 +6,8 @@ Keeping a call costs its `OpCost.keep_bytes` for the whole time between the bloc
 forward and its backward, and saves its recompute (`op_value`). Which calls to keep is a
 0/1 knapsack per block (items: the calls, weight: bytes kept, value: recompute
 avoided); `block_options` enumerates its whole Pareto frontier with the exact solver.
+In the `time` metric the values are estimates from counted work, scaled down to what
+keeping was measured to save in the block when the profile measured it (`keep_calibration`).
 
 [constraint] Only calls whose outputs backward saves (or whose random draws the
 recompute would repeat) and that run before the block's last saved tensor are items:
@@ -95,9 +97,7 @@ def block_options(
         # keeping other calls `keep_ops_op_s` (`keep_overhead_ms`): the best choice among the draws
         # alone is a frontier of its own, and a choice is worth it only when its net value is > 0
         points += _frontier([op for op in items if op.rng_bytes], block, metric, rates)
-        points = [
-            OpOption(o.keep_bytes, o.value - keep_overhead_ms(block, o.keys, rates), o.keys) for o in points
-        ]
+        points = [OpOption(o.keep_bytes, _net_ms(block, o.keys, o.value, rates), o.keys) for o in points]
     out: list[OpOption] = []
     for o in sorted(points, key=lambda o: (o.keep_bytes, -o.value)):
         if o.value > 0 and (not out or o.value > out[-1].value) and (not out or o.keep_bytes > out[-1].keep_bytes):
@@ -129,27 +129,67 @@ def _frontier(items: list[OpCost], block: BlockCost, metric: str, rates: Machine
     return out
 
 
+def _random_only(block: BlockCost, keys: Collection[OpKey]) -> bool:
+    want = set(keys)
+    return all(op.rng_bytes > 0 for op in block.ops if op.key in want)
+
+
 def keep_overhead_ms(block: BlockCost, keys: Collection[OpKey], rates: MachineRates | None) -> float:
     """The fixed time an op-level block adds, in ms: per op call of the block, the dispatch
     modes that keep random draws (`MachineRates.keep_draws_op_s`) or, when it keeps any other
     call, torch's selective checkpoint modes as well (`keep_ops_op_s`). 0 when nothing is kept."""
     if not keys or rates is None:
         return 0.0
-    want = set(keys)
-    random_only = all(op.rng_bytes > 0 for op in block.ops if op.key in want)
-    per_op = rates.keep_draws_op_s if random_only else rates.keep_ops_op_s
+    per_op = rates.keep_draws_op_s if _random_only(block, keys) else rates.keep_ops_op_s
     return 1e3 * per_op * len(block.ops)
+
+
+def keep_calibration(block: BlockCost, keys: Collection[OpKey], rates: MachineRates) -> float:
+    """The factor in [0, 1] that scales the `time` value of keeping `keys` in `block` to what
+    keeping was measured to save (`BlockCost.keep_saved_ms`, `profiling.keep_calibration`).
+
+    [constraint] The estimate of keeping every call an option may keep (`option_items`, net of
+    `keep_overhead_ms`) is V, the measured saving S; every option of the block is worth S / V of
+    its estimate, at most all of it (a measurement never raises an estimate), and nothing when
+    S <= 0. Options of random calls only are scaled by the measurement that kept the draws only
+    (`keep_draws_saved_ms`) against their own V. 1 when the block was not measured."""
+    items = option_items(block)
+    measured = block.keep_saved_ms
+    if block.keep_draws_saved_ms is not None and _random_only(block, keys):
+        items = [op for op in items if op.rng_bytes > 0]
+        measured = block.keep_draws_saved_ms
+    if measured is None or not items:
+        return 1.0
+    if measured <= 0:
+        return 0.0
+    estimate = sum(op_value(op, block, "time", rates) for op in items)
+    estimate -= keep_overhead_ms(block, [op.key for op in items], rates)
+    return min(1.0, measured / estimate) if estimate > 0 else 1.0
+
+
+def _net_ms(block: BlockCost, keys: Collection[OpKey], value_ms: float, rates: MachineRates) -> float:
+    """The `time` value of keeping `keys` (their `op_value`s add up to `value_ms`): net of the
+    fixed cost of keeping, scaled by the block's measurement."""
+    if not keys:
+        return 0.0
+    return keep_calibration(block, keys, rates) * (value_ms - keep_overhead_ms(block, keys, rates))
 
 
 def step_options(
     cost: StepCost, metric: str, rates: MachineRates | None, max_options: int | None = None
 ) -> list[tuple[OpOption, ...]]:
     """`block_options` of every block; blocks with identical op lists are solved once (in
-    `ms` an op's value also depends on its block's measured time)."""
+    `ms` an op's value also depends on its block's measured time, in `time` on what keeping
+    was measured to save)."""
     memo: dict[tuple, tuple[OpOption, ...]] = {}
     out = []
     for blk in cost.blocks:
-        sig = (blk.ops, blk.fwd_flops, blk.fwd_mem_bytes, blk.fwd_rng_bytes, blk.fwd_ms) if metric == "ms" else blk.ops
+        if metric == "ms":
+            sig: tuple = (blk.ops, blk.fwd_flops, blk.fwd_mem_bytes, blk.fwd_rng_bytes, blk.fwd_ms)
+        elif metric == "time":
+            sig = (blk.ops, blk.keep_saved_ms, blk.keep_draws_saved_ms)
+        else:
+            sig = blk.ops
         if sig not in memo:
             memo[sig] = block_options(blk, metric, rates, max_options)
         out.append(memo[sig])
@@ -199,10 +239,12 @@ def kept_bytes(block: BlockCost, keys: Collection[OpKey]) -> int:
 
 def kept_value(block: BlockCost, keys: Collection[OpKey], metric: str, rates: MachineRates | None) -> float:
     """Recompute the kept calls `keys` of `block` avoid, in `metric` (in `time` net of the
-    fixed cost of keeping, `keep_overhead_ms`)."""
+    fixed cost of keeping, `keep_overhead_ms`, and scaled by `keep_calibration`)."""
     want = set(keys)
     value = sum(op_value(op, block, metric, rates) for op in block.ops if op.key in want)
-    return value - keep_overhead_ms(block, keys, rates) if metric == "time" else value
+    if metric == "time" and rates is not None:
+        return _net_ms(block, keys, value, rates)
+    return value
 
 
 def describe_keeps(block: BlockCost, keys: Collection[OpKey]) -> str:

@@ -207,7 +207,8 @@ def optimal_nested(
         plain = None
     if max_levels < 2 or cost.n_blocks > NESTED_MAX_BLOCKS or (plain is not None and not plain.segments):
         return plain, ()
-    nested = solve_nested(cost, budget_bytes, metric, max_levels)
+    # [speed] fewer memory slots past 48 blocks: the work grows as n^3 x slots
+    nested = solve_nested(cost, budget_bytes, metric, max_levels, slots=max(256, min(1024, 1024 * 48 // cost.n_blocks)))
     if nested is None or not nested.inner:
         return plain, ()
     ours = recompute_cost(cost, nested.segments, metric, None, nested.inner)

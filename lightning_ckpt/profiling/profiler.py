@@ -395,13 +395,16 @@ def profile_model(
     names: Sequence[str] | None = None,
     timing: bool = True,
     rates: MachineRates | None = None,
+    calibrate_keeps: bool = True,
 ) -> Profile:
     """Probe at two small slices of `batch` (and check on a third) -> `Profile`.
 
     With `timing`, blocks are timed and the machine's rates measured on the device
     and dtypes that did most of the probed work (`rates.measure_rates`, ~40 ms on a CPU);
     `rates` given are used as they are. Either way they land in `meta["rates"]` of
-    every probe, which the `time` cost metric needs.
+    every probe, which the `time` cost metric needs. With `timing` and `calibrate_keeps`, each
+    distinct block with op calls to keep is also timed alone on the whole `batch`, keeping them
+    and not (`keep_calibration`, a few block steps each): only op-level plans need it.
     """
     n = batch_size_of(batch)
     sizes = [s for s in (*probe_batch_sizes, check_batch_size) if s is not None]
@@ -416,6 +419,11 @@ def profile_model(
     check = None
     if check_batch_size is not None and check_batch_size not in probe_batch_sizes:
         check = probe_step(model, blocks, step_fn, slice_batch(batch, check_batch_size), names, timing=False)
+    if timing and calibrate_keeps:
+        from lightning_ckpt.profiling.keep_calibration import calibrated_profile
+
+        calibrated = calibrated_profile(Profile(probes=probes, check=check), model, blocks, step_fn, batch)  # type: ignore[arg-type]
+        probes, check = calibrated.probes, calibrated.check
     if rates is None and timing:
         from lightning_ckpt.profiling.rates import measure_rates
 
