@@ -14,7 +14,7 @@ from pathlib import Path
 
 from lightning_ckpt.planning.costs import StepCost
 from lightning_ckpt.planning.linear_fit import Profile
-from lightning_ckpt.planning.memory_model import base_bytes, optimizer_need
+from lightning_ckpt.planning.memory_model import base_bytes, end_need, gradients_after, optimizer_need
 from lightning_ckpt.planning.nested_model import depth_of
 from lightning_ckpt.planning.plan import Plan, format_bytes
 from lightning_ckpt.planning.policies import InfeasibleBudgetError, make_plan
@@ -50,11 +50,19 @@ def _axis_label(metric: str) -> str:
 def tradeoff_curve(cost: StepCost, points: int = 16, metric: str = "flops", max_levels: int = 1) -> list[TradeoffPoint]:
     """The optimal plan at `points` budgets: single-level (`max_levels` = 1) from the `full`
     peak to the `none` peak; multi-level from the step's floor (parameters, gradients,
-    optimizer state, batch) to the `full` peak, where nesting is what fits."""
+    optimizer state, batch, and the largest backward of any block) to the `full` peak, where
+    nesting is what fits."""
     full = make_plan(cost, "full").predicted_peak_bytes
     none = make_plan(cost, "none").predicted_peak_bytes
     if max_levels > 1:
-        lo = max(base_bytes(cost), optimizer_need(cost))
+        # [bound] whatever the nesting, each block's backward holds its rebuilt activations, the
+        # gradients of later blocks and of its output, and its scratch, on top of the base bytes
+        after = gradients_after(cost)
+        lo = max(
+            [optimizer_need(cost), end_need(cost)]
+            + [base_bytes(cost) + b.saved_bytes + after[i] + b.output_bytes + b.bwd_transient_bytes
+               for i, b in enumerate(cost.blocks)]
+        )
         hi = min(full, none)
     else:
         lo, hi = min(full, none), none

@@ -116,3 +116,42 @@ def test_max_batch_measured_under_budget(encoder_setup):
     batch = next(iter(data.train_dataloader()))
     measured = _measure(model, opt, batch, loss_fn, plan.segments)
     assert measured <= budget, (best, measured, budget)
+
+
+def test_multi_level_plan_below_full_fits_and_trains_bit_identically(encoder_setup):
+    """The budget whose part above the floor (parameters, optimizer state, batch, gradients)
+    is 60 % of `full`'s: no single-level plan fits; the multi-level plan fits as measured,
+    within 5 % of its prediction, and its loss and gradients equal a step without checkpointing."""
+    from lightning_ckpt.planning.policies import InfeasibleBudgetError
+
+    model, opt, batch, loss_fn, _, cost = encoder_setup
+    floor = cost.static_bytes + cost.batch_bytes + cost.grad_bytes
+    budget = int(floor + 0.6 * (make_plan(cost, "full").predicted_peak_bytes - floor))
+    with pytest.raises(InfeasibleBudgetError):
+        make_plan(cost, "optimal", budget, max_levels=1)
+    plan = make_plan(cost, "optimal", budget, max_levels=2)
+    assert plan.inner_segments and plan.fits
+    handle = apply_segments(list(model.blocks), plan.segments, inner_segments=plan.inner_segments)
+    try:
+        measured = measure_step_peak(model, loss_fn, batch, opt)
+    finally:
+        handle.remove()
+    assert measured <= budget
+    assert abs(plan.predicted_peak_bytes - measured) <= 0.05 * measured
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        loss = loss_fn(batch)
+        loss.backward()
+        out = [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return out
+
+    ref = step()
+    handle = apply_segments(list(model.blocks), plan.segments, inner_segments=plan.inner_segments)
+    try:
+        got = step()
+    finally:
+        handle.remove()
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))

@@ -234,7 +234,7 @@ def test_fuzz_planner_never_over_budget_never_crashes(cost, budget, policy):
             assert make_plan(cost, "none").predicted_peak_bytes > budget
         return
     assert plan.fits and plan.predicted_peak_bytes <= budget
-    assert plan.predicted_peak_bytes == predict_peak(cost, plan.segments).peak_bytes
+    assert plan.predicted_peak_bytes == predict_peak(cost, plan.segments, None, plan.inner_segments).peak_bytes
     assert all(cost.blocks[i].chains_from_previous for a, b in plan.segments for i in range(a + 1, b + 1))
 
 

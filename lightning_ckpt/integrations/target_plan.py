@@ -55,13 +55,18 @@ def plan_for_target(profile: Profile, static: StaticMemory, request: PlanRequest
         granularity=request.granularity, max_levels=request.max_levels,
     )
     got = f"needs {format_bytes(plan.predicted_peak_bytes)}" if plan is not None else "cannot fit"
+    levels = (
+        " and max_levels=1 (raise it to let segments be rebuilt inside nested segments, which holds fewer boundaries)"
+        if request.policy == "optimal" and request.max_levels == 1
+        else ""
+    )
     hint = (
         f"the largest batch that fits with the best plan is {largest}"
         if largest
         else "not even batch size 1 fits (parameters, gradients and optimizer state take most of it)"
     )
     raise InfeasibleBudgetError(
-        f"target_batch_size={target} with policy={request.policy!r} {got}, over the memory_budget of "
+        f"target_batch_size={target} with policy={request.policy!r}{levels} {got}, over the memory_budget of "
         f"{format_bytes(request.budget_bytes)} even at the plan's best; {hint}. "
         "Lower target_batch_size or raise memory_budget."
     )

@@ -205,7 +205,7 @@ def optimal_nested(
         plain = _optimal(cost, budget_bytes, metric, None, granularity, time_limit_s)
     except InfeasibleBudgetError:
         plain = None
-    if max_levels < 2 or cost.n_blocks > NESTED_MAX_BLOCKS or (plain is not None and not plain.segments):
+    if max_levels < 2 or not 0 < cost.n_blocks <= NESTED_MAX_BLOCKS or (plain is not None and not plain.segments):
         return plain, ()
     # [speed] fewer memory slots past 48 blocks: the work grows as n^3 x slots
     nested = solve_nested(cost, budget_bytes, metric, max_levels, slots=max(256, min(1024, 1024 * 48 // cost.n_blocks)))
