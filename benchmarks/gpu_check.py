@@ -106,7 +106,7 @@ def run_case(name: str, precision: str, device: torch.device, quick: bool, steps
         plans.append(("optimal 33 % compiled", plans[2][1], plans[2][2]))
     rows = []
     for label, plan, budget in plans:
-        applied = lc.apply_segments(blocks, plan.segments)
+        applied = lc.apply_plan(blocks, plan)
         runner = torch.compile(model) if "compiled" in label else model
         try:
             gc.collect()

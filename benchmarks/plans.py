@@ -85,6 +85,7 @@ class Variant:
     label: str
     segments: tuple
     keeps: tuple = ()  # (block, kept op calls) of an op-level plan
+    inner: tuple = ()  # inner segments of a multi-level plan
     measured_peak: int = 0
     step_flops: int = 0
     times: list[float] = field(default_factory=list)  # on the chosen clock
@@ -161,7 +162,7 @@ def plan_case(case: Case) -> tuple[dict[float, int], dict[tuple[float, str], Pla
 
 def measure_variant(case: Case, v: Variant) -> None:
     """Tracker peak and total FLOPs of one step under the plan (once: the tracker is slow)."""
-    handle = apply_segments(case.blocks, v.segments, keep_ops=dict(v.keeps))
+    handle = apply_segments(case.blocks, v.segments, keep_ops=dict(v.keeps), inner_segments=v.inner)
     try:
         v.measured_peak = measure_step_peak(case.model, case.loss_fn, case.batch, case.optimizer)
         # A separate step: FlopCounterMode's module tracking holds on to tensors, so
@@ -183,7 +184,7 @@ def time_variants(case: Case, variants: list[Variant], repeats: int, steps: int,
     for r in range(repeats):
         k = r % len(variants)
         for v in variants[k:] + variants[:k]:
-            handle = apply_segments(case.blocks, v.segments, keep_ops=dict(v.keeps))
+            handle = apply_segments(case.blocks, v.segments, keep_ops=dict(v.keeps), inner_segments=v.inner)
             try:
                 gc.collect()
                 _step(case)  # warm-up: hooks installed, allocator settled
@@ -265,8 +266,10 @@ def run_case(case: Case, repeats: int, steps: int, none_copies: int, clock: str)
     # distinct plans, labelled by the first policy that produced them
     variants: dict[tuple, Variant] = {}
     for (f, policy), plan in plans.items():
-        if plan is not None and (plan.segments, plan.keeps) not in variants:
-            variants[(plan.segments, plan.keeps)] = Variant(policy, plan.segments, plan.keeps)
+        if plan is not None and (plan.segments, plan.keeps, plan.inner_segments) not in variants:
+            variants[(plan.segments, plan.keeps, plan.inner_segments)] = Variant(
+                policy, plan.segments, plan.keeps, inner=plan.inner_segments
+            )
     nones = [Variant(f"none#{i + 1}", ()) for i in range(none_copies - 1)]
     for v in variants.values():
         measure_variant(case, v)
@@ -275,7 +278,7 @@ def run_case(case: Case, repeats: int, steps: int, none_copies: int, clock: str)
     share = forward_share(case, max(3, repeats), clock)
     t_total = time.time() - t0
 
-    none = variants[((), ())]
+    none = variants[((), (), ())]
     none_times = none.times + [t for v in nones for t in v.times]
     none_median = statistics.median(none_times)
     none_medians = [none.median_s] + [v.median_s for v in nones]
@@ -294,7 +297,7 @@ def run_case(case: Case, repeats: int, steps: int, none_copies: int, clock: str)
             if plan is None:
                 rows.append(f"| {case.name} | {label} | {policy} | no plan fits | NO | | | | | | | |")
                 continue
-            v = variants[(plan.segments, plan.keeps)]
+            v = variants[(plan.segments, plan.keeps, plan.inner_segments)]
             err = (plan.predicted_peak_bytes - v.measured_peak) / v.measured_peak
             if plan.predicted_peak_bytes > budget:
                 fits = "NO"
@@ -350,7 +353,7 @@ def run_case(case: Case, repeats: int, steps: int, none_copies: int, clock: str)
             f"({100 * (1 - rel):+.1f} % lower) -> {'no worse beyond noise' if ok else 'WORSE than noise allows'}"
         )
     full_plan = plans[(FRACTIONS[0], "full")]
-    full_v = variants[(full_plan.segments, ())]
+    full_v = variants[(full_plan.segments, (), ())]
     verdicts["full_ratio"] = full_v.median_s / none_median
     # what one extra forward of the recomputed blocks costs if it runs as fast as the first one
     recompute_of_forward = full_plan.recompute_flops / (full_plan.step_flops / 3)

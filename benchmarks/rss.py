@@ -74,7 +74,7 @@ def worker(model_name: str, threshold: str, steps: int, quick: bool) -> dict:
         lo, hi = (lc.make_plan(cost, p).predicted_peak_bytes for p in ("full", "none"))
         budget = (lo + hi) // 2
     plan, _ = plan_for_target(profile, static, PlanRequest(budget, "optimal", None, "time"), bs)
-    applied = lc.apply_segments(blocks, plan.segments)
+    applied = lc.apply_plan(blocks, plan)
     rss, anon, cpu = [], [], []
     for _ in range(steps):
         t0 = time.process_time()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lightning_ckpt.apply import AppliedPlan, apply_segments
+from lightning_ckpt.apply import AppliedPlan, apply_plan, apply_segments
 from lightning_ckpt.planning.costs import BlockCost, OpCost, StepCost
 from lightning_ckpt.planning.linear_fit import Profile
 from lightning_ckpt.planning.machine_rates import MachineRates
@@ -50,6 +50,7 @@ __all__ = [
     "StaticMemory",
     "StepCost",
     "ZeroMemory",
+    "apply_plan",
     "apply_segments",
     "block_options",
     "make_plan",

@@ -27,7 +27,7 @@ from lightning_ckpt.apply_selective import SelectiveKeep, validate_keep_ops
 from lightning_ckpt.planning.nested_model import validate_nested
 from lightning_ckpt.profiling.chain_check import receives_output, tensor_version
 
-__all__ = ["AppliedPlan", "apply_segments", "BatchNormGuard"]
+__all__ = ["AppliedPlan", "apply_plan", "apply_segments", "BatchNormGuard"]
 
 Span = tuple[int, int]
 
@@ -328,3 +328,23 @@ def apply_segments(
         seg.attach()
         objs.append(seg)
     return AppliedPlan(objs, spans, keeps, inner)
+
+
+def apply_plan(
+    blocks: Sequence[nn.Module],
+    plan: Any,
+    guard_batchnorm: bool = True,
+    determinism_check: str = "default",
+    early_stop: bool = True,
+) -> AppliedPlan:
+    """Apply a `Plan` to the blocks it was made for: its segments, the inner segments rebuilt
+    inside them and the op calls it keeps (`apply_segments`); returns the undo handle."""
+    if len(blocks) != plan.n_blocks:
+        raise ValueError(
+            f"the plan was made for a chain of {plan.n_blocks} blocks, but {len(blocks)} blocks were given; pass "
+            "the blocks the plan's profile was taken on, in call order."
+        )
+    return apply_segments(
+        blocks, plan.segments, guard_batchnorm, determinism_check, early_stop, keep_ops=plan.keep_ops or None,
+        inner_segments=plan.inner_segments,
+    )

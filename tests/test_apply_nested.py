@@ -316,3 +316,18 @@ def test_keep_ops_must_name_a_one_block_segment_at_some_level():
         apply_segments(list(model.blocks), [(0, 7)], inner_segments=[(0, 3), (0, 1)], keep_ops={1: KEEP})
     handle = apply_segments(list(model.blocks), [(0, 7)], inner_segments=[(0, 3), (1, 1)], keep_ops={1: KEEP})
     assert handle.keep_ops == {1: frozenset(KEEP)}
+
+
+def test_apply_plan_applies_segments_inner_segments_and_keeps():
+    from lightning_ckpt.apply import apply_plan
+    from lightning_ckpt.planning.costs import BlockCost, StepCost
+    from lightning_ckpt.planning.policies import make_plan
+
+    cost = StepCost(blocks=tuple(BlockCost(f"b{i}", 10, 1, output_bytes=1, fwd_flops=1) for i in range(4)), batch_size=1)
+    plan = make_plan(cost, "manual", segments=[(0, 3)], inner_segments=[(1, 2)])
+    model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(4)))
+    handle = apply_plan(list(model), plan)
+    assert handle.segments == [(0, 3)] and handle.inner_segments == [(1, 2)]
+    handle.remove()
+    with pytest.raises(ValueError, match=r"plan was made for a chain of 4 blocks, but 3 blocks were given"):
+        apply_plan(list(model)[:3], plan)

@@ -46,7 +46,7 @@ def test_callback_same_losses_as_plan_applied_by_hand():
 
     pl.seed_everything(0, verbose=False)
     manual = LitChain()
-    apply_segments(list(manual.net.blocks), plan.segments)
+    apply_segments(list(manual.net.blocks), plan.segments, inner_segments=plan.inner_segments)
     make_trainer(max_steps=3).fit(manual, datamodule=TokenData(batch_size=8))
     assert len(model.losses) == len(manual.losses) == 3
     for a, b in zip(model.losses, manual.losses):

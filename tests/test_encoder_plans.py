@@ -38,8 +38,8 @@ def encoder_setup():
     return model, opt, batch, loss_fn, profile, cost
 
 
-def _measure(model, opt, batch, loss_fn, segments, keep_ops=None):
-    handle = apply_segments(list(model.blocks), segments, keep_ops=keep_ops)
+def _measure(model, opt, batch, loss_fn, segments, keep_ops=None, inner=()):
+    handle = apply_segments(list(model.blocks), segments, keep_ops=keep_ops, inner_segments=inner)
     try:
         return measure_step_peak(model, loss_fn, batch, opt)
     finally:
@@ -114,7 +114,7 @@ def test_max_batch_measured_under_budget(encoder_setup):
     data = SyntheticTextDataModule(batch_size=best)
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
-    measured = _measure(model, opt, batch, loss_fn, plan.segments)
+    measured = _measure(model, opt, batch, loss_fn, plan.segments, inner=plan.inner_segments)
     assert measured <= budget, (best, measured, budget)
 
 

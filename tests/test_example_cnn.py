@@ -241,7 +241,7 @@ def test_op_level_plans_fit_predicted_within_5_percent_and_keep_batchnorm_exact(
     plans = {f: make_plan(cost, "optimal", b, metric="time", granularity="op") for f, b in _budgets(cost).items()}
     assert any(p.keeps for p in plans.values())
     for f, plan in plans.items():
-        handle = apply_segments(blocks, plan.segments, keep_ops=plan.keep_ops)
+        handle = apply_segments(blocks, plan.segments, keep_ops=plan.keep_ops, inner_segments=plan.inner_segments)
         try:
             measured = measure_step_peak(model, loss_fn, batches[0], opt)
         finally:
@@ -253,7 +253,7 @@ def test_op_level_plans_fit_predicted_within_5_percent_and_keep_batchnorm_exact(
     plain = ex.ShapesResNet()
     ckpt = copy.deepcopy(plain)
     ckpt_blocks = resolve_blocks(ckpt, CHAIN)[2]
-    handle = apply_segments(ckpt_blocks, plan.segments, keep_ops=plan.keep_ops)
+    handle = apply_segments(ckpt_blocks, plan.segments, keep_ops=plan.keep_ops, inner_segments=plan.inner_segments)
     try:
         losses_ckpt = _train(ckpt, batches)
     finally:

@@ -50,7 +50,7 @@ def test_whole_step_predicted_within_3_percent(resnet, policy):
     none, full = (make_plan(cost, p).predicted_peak_bytes for p in ("none", "full"))
     budget = (none + full) // 2 if policy == "optimal" else None
     plan = make_plan(cost, policy, budget)
-    handle = apply_segments(blocks, plan.segments)
+    handle = apply_segments(blocks, plan.segments, inner_segments=plan.inner_segments)
     try:
         measured = measure_step_peak(model, loss_fn, batch, opt)
     finally:

@@ -69,8 +69,8 @@ def _budgets(cost, fractions=FRACTIONS) -> dict[float, int]:
     return {f: int(full + f * (none - full)) for f in fractions}
 
 
-def _measure(model, opt, batch, loss_fn, blocks, segments) -> int:
-    handle = apply_segments(blocks, segments)
+def _measure(model, opt, batch, loss_fn, blocks, segments, inner=()) -> int:
+    handle = apply_segments(blocks, segments, inner_segments=inner)
     try:
         return measure_step_peak(model, loss_fn, batch, opt)
     finally:
@@ -105,7 +105,7 @@ def test_optimal_recomputes_transformer_blocks_never_the_embedding_or_head(encod
     chosen = [names[i] for i in plan.checkpointed]
     assert chosen and all(n.startswith("blocks.") for n in chosen), chosen
     assert plan.recompute_flops > 0
-    measured = _measure(model, opt, batch, loss_fn, blocks, plan.segments)
+    measured = _measure(model, opt, batch, loss_fn, blocks, plan.segments, plan.inner_segments)
     assert measured <= budget
     assert abs(plan.predicted_peak_bytes - measured) / measured < 0.10
 
