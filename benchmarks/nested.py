@@ -91,7 +91,7 @@ def main() -> None:
     loss_fn(batch).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    profile = profile_model(model, blocks, loss_fn, batch, (1, 2), 4)
+    profile = profile_model(model, blocks, loss_fn, batch, (1, 2), 4, calibrate_keeps=False)  # block-level plans only
     static = static_memory(model, [opt])
 
     def cost_at(b: int):

@@ -56,7 +56,8 @@ def _cost(name: str, rates=None):
 
     loss_fn(batch).backward()  # one real step: gradients and AdamW state exist
     opt.step()
-    profile = lc.profile_model(model, blocks, loss_fn, batch, (1, 2), 4, names=names, rates=rates)
+    # block-level plans only: no op-level options to calibrate
+    profile = lc.profile_model(model, blocks, loss_fn, batch, (1, 2), 4, names=names, rates=rates, calibrate_keeps=False)
     static = lc.static_memory(model, [opt])
     return profile.at(bs, static_bytes=static.resident_bytes, optimizer_transient_bytes=static.optimizer_transient_bytes)
 

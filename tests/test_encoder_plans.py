@@ -155,3 +155,25 @@ def test_multi_level_plan_below_full_fits_and_trains_bit_identically(encoder_set
     finally:
         handle.remove()
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
+def test_multi_level_max_batch_at_full_peak_is_at_least_one_and_a_half_times(encoder_setup):
+    """At the budget where `full` fits batch 16 exactly, target_batch_size='max' with nested
+    segments finds at least 24, and that step fits as measured."""
+    from train_encoder import SyntheticTextDataModule
+
+    from lightning_ckpt.planning.capacity import largest_batch
+
+    model, opt, _, loss_fn, profile, cost = encoder_setup
+
+    def cost_at(b):
+        return profile.at(b, static_bytes=cost.static_bytes, optimizer_transient_bytes=cost.optimizer_transient_bytes)
+
+    budget = make_plan(cost_at(TARGET), "full").predicted_peak_bytes
+    assert largest_batch(cost_at, budget, "full")[0] == TARGET
+    best, plan = largest_batch(cost_at, budget, "optimal", max_levels=2)
+    assert best >= 1.5 * TARGET and plan.inner_segments
+    data = SyntheticTextDataModule(batch_size=best)
+    data.setup("fit")
+    measured = _measure(model, opt, next(iter(data.train_dataloader())), loss_fn, plan.segments, inner=plan.inner_segments)
+    assert measured <= budget, (best, measured, budget)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -11,7 +12,6 @@ from models import MLPBlock, TinyChain, tokens_batch
 from torch import nn
 
 from lightning_ckpt.planning.costs import BlockCost, OpCost, StepCost
-from lightning_ckpt.planning.linear_fit import Profile
 from lightning_ckpt.planning.machine_rates import MachineRates
 from lightning_ckpt.planning.op_options import (
     block_options,
@@ -149,7 +149,8 @@ def test_profile_measures_each_distinct_block_once_on_the_whole_batch_and_scales
     assert [b.keep_draws_saved_ms for b in at4.blocks] == pytest.approx([d / 2] * 3)
     rates = at8.rates
     opts = step_options(at8, "time", rates)
-    assert [o.value for o in opts[0]] == pytest.approx([kept_value(at8.blocks[0], o.keys, "time", rates) for o in opts[0]])
+    expected = [kept_value(at8.blocks[0], o.keys, "time", rates) for o in opts[0]]
+    assert [o.value for o in opts[0]] == pytest.approx(expected)
 
 
 def test_no_calibration_without_timing_or_when_turned_off():
@@ -254,7 +255,7 @@ def test_blocks_with_equal_ops_but_other_measurements_get_their_own_options():
 def test_an_estimate_that_loses_is_not_raised_by_a_saving_measurement():
     """When the estimate of keeping everything is not positive, the measurement cannot be
     turned into a factor: a positive one leaves the estimates as they are."""
-    slow = MachineRates(flop_per_s=1e9, mem_byte_per_s=1e9, rng_byte_per_s=1e8, keep_draws_op_s=1e-6, keep_ops_op_s=1e-3)
+    slow = dataclasses.replace(RATES, keep_ops_op_s=1e-3)
     plain = _block()
     every = [o.key for o in option_items(plain)]
     assert kept_value(plain, every, "time", slow) < 0

@@ -241,7 +241,7 @@ class ActivationCheckpointing(Callback):
         batch = loader.first_train_batch(trainer) if batch is None else batch
         self.profile = profile_first_batch(
             trainer, pl_module, self._blocks, self.block_names, batch, batch_idx, self.probe_batch_sizes,
-            self.check_batch_size,
+            self.check_batch_size, calibrate_keeps=self.granularity == "op" and self.cost_metric == "time",
         )
         self.profiled_steps += 1
         if not trainer.is_global_zero:

@@ -56,8 +56,10 @@ def profile_first_batch(
     batch_idx: int,
     probes: tuple[int, int],
     check: int | None,
+    calibrate_keeps: bool = False,
 ) -> Profile:
-    """Profile the blocks at the probe sizes (and the check size) on slices of `batch`."""
+    """Profile the blocks at the probe sizes (and the check size) on slices of `batch`;
+    `calibrate_keeps` (op-level plans in `time`) also times what keeping op outputs saves."""
     check = probe_sizes(batch, probes, check)
 
     def step_fn(b: Any) -> torch.Tensor:
@@ -65,7 +67,7 @@ def profile_first_batch(
             return pl_module.training_step(b, batch_idx)
 
     with profiling_context(trainer), eager_only():  # a compiled model is profiled as its original code
-        profile = profile_model(pl_module, blocks, step_fn, batch, probes, check, names=names)
+        profile = profile_model(pl_module, blocks, step_fn, batch, probes, check, names=names, calibrate_keeps=calibrate_keeps)
     profile = one_block_profile(profile, compiled_by(pl_module, blocks))  # compiled: one block per region
     profile = with_recompute_gather(profile, blocks)  # sharded blocks: what their recompute gathers, and how fast
     err = profile.check_error()

@@ -422,7 +422,7 @@ def profile_model(
     if timing and calibrate_keeps:
         from lightning_ckpt.profiling.keep_calibration import calibrated_profile
 
-        calibrated = calibrated_profile(Profile(probes=probes, check=check), model, blocks, step_fn, batch)  # type: ignore[arg-type]
+        calibrated = calibrated_profile(Profile(probes, check), model, blocks, step_fn, batch)  # type: ignore[arg-type]
         probes, check = calibrated.probes, calibrated.check
     if rates is None and timing:
         from lightning_ckpt.profiling.rates import measure_rates
