@@ -34,7 +34,12 @@ from lightning_ckpt.planning.memory_model import (
     segment_elements,
     step_terms,
 )
-from lightning_ckpt.planning.recompute_cost import block_recompute, metric_rates, segment_overhead, skipped_tail
+from lightning_ckpt.planning.recompute_cost import (
+    block_recompute,
+    metric_rates,
+    segment_overhead,
+    skipped_tail,
+)
 
 INF = np.inf
 NESTED_MAX_BLOCKS = 96  # O(n^3) vector operations per level: about half a second at 48 blocks and 2 levels
