@@ -151,10 +151,6 @@ def measure_keep_savings(
     device = x.device if x is not None else next((p.device for p in block.parameters()), None)
     sync = _synchronizer(device)
     params = [p for p in block.parameters() if p.requires_grad]
-    grads = [p.grad for p in params]
-    buffers = [(b, b.detach().clone()) for b in block.buffers()]
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state(device) if device is not None and device.type == "cuda" else None
 
     def fresh(v: Any) -> Any:  # the block's input, as a leaf of its own (its gradient is computed, as in the step)
         if x is None or v is not x:
@@ -189,22 +185,12 @@ def measure_keep_savings(
 
     names = list(variants)
     times: dict[str, list[float]] = {name: [] for name in names}
-    try:
-        with torch.enable_grad():
-            step(variants["all"])  # warm-up: kernels chosen, allocator settled, the kept keys checked
-            for r in range(rounds):
-                for k in range(len(names)):
-                    name = names[(r + k) % len(names)]  # rotating order: a slow moment hits each in turn
-                    times[name].append(step(variants[name]))
-    finally:
-        for p, g in zip(params, grads):
-            p.grad = g
-        with torch.no_grad():
-            for b, copy in buffers:
-                b.copy_(copy)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state(cuda_rng, device)
+    with preserved_state(block), torch.enable_grad():  # RNG streams, buffers and grads put back
+        step(variants["all"])  # warm-up: kernels chosen, allocator settled, the kept keys checked
+        for r in range(rounds):
+            for k in range(len(names)):
+                name = names[(r + k) % len(names)]  # rotating order: a slow moment hits each in turn
+                times[name].append(step(variants[name]))
 
     def saved(name: str) -> float:
         return statistics.median(a - b for a, b in zip(times["none"], times[name]))
