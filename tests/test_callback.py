@@ -182,7 +182,7 @@ def test_infeasible_target_names_largest_batch():
         ({"target_batch_size": 8, "memory_budget": 0}, r"memory_budget=0 must be a positive number of bytes"),
         ({"target_batch_size": 8, "memory_budget": -5}, r"memory_budget=-5 must be a positive"),
         ({"target_batch_size": 8, "memory_budget": "lots"}, r"memory_budget='lots' is not a size"),
-        ({"target_batch_size": 8, "memory_budget": "6G"}, r"memory_budget='6G' is not a size .* GiB"),
+        ({"target_batch_size": 8, "memory_budget": "6 gigs"}, r"memory_budget='6 gigs' is not a size .* GiB"),
         ({"target_batch_size": 8, "memory_budget": "1GiB", "policy": "fast"}, r"policy='fast' is not a known policy"),
         ({"target_batch_size": 8, "memory_budget": "1GiB", "every_k": 2}, r"every_k=2 only applies to policy='every_k'"),
         ({"target_batch_size": 8, "memory_budget": "1GiB", "blocks": ""}, r"blocks='' must be a dotted path"),

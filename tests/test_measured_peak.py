@@ -97,7 +97,7 @@ def test_fit_reports_tracked_and_rss_peaks_next_to_the_prediction(tmp_path, capl
         rss = measured["rss_peak_above_start_bytes"]
         assert isinstance(rss, int) and abs(rss) < 2**30
         assert f"process RSS above fit start {format_bytes(rss)}" in caplog.text
-    assert "first planned step: predicted" in caplog.text
+    assert "first planned step at shape (batch 8, tensors [8, 16], [8]): predicted" in caplog.text
     if allocator.is_glibc() and not allocator.loaded_allocator():
         assert "glibc malloc set for this fit" in caplog.text
     assert cb._fit_memory is None  # put back at the end of fit
@@ -111,3 +111,42 @@ def test_cuda_reading_has_max_allocated_and_max_reserved():
         del t
     assert reading.peak_bytes >= 32 * 2**20 and reading.reserved_peak_bytes >= reading.peak_bytes
     assert reading.rss_peak_bytes is None
+
+
+def test_a_measured_peak_over_the_budget_is_a_warning_with_both_numbers():
+    from lightning_ckpt.integrations.measured_peak import PeakReading, over_budget
+    from lightning_ckpt.planning.plan import Plan
+
+    plan = Plan(
+        policy="none", batch_size=8, segments=(), predicted_peak_bytes=90 * 2**20, peak_phase="forward",
+        budget_bytes=100 * 2**20, static_bytes=0, recompute_flops=0, recompute_ms=0.0, step_flops=0, rows=(),
+    )
+    within = over_budget(PeakReading(peak_bytes=100 * 2**20), plan)
+    over = over_budget(PeakReading(peak_bytes=132 * 2**20), plan)
+    assert within == ""
+    assert "OVER the memory_budget of 100.0 MiB by 32.0 MiB" in over and "tracked tensors 132.0 MiB" in over
+    assert "predicted 90.0 MiB" in over
+
+
+def test_fit_warns_when_a_measured_step_is_over_the_budget(tmp_path):
+    """A budget the step cannot meet while the prediction says it does (the prediction is forced low)."""
+    import dataclasses
+
+    from lit_models import LitChain, TokenData, make_trainer
+
+    from lightning_ckpt import ActivationCheckpointing
+    from lightning_ckpt.integrations import callback as callback_module
+
+    cb = ActivationCheckpointing(target_batch_size=8, memory_budget="64MiB", policy="none", measure_peak=True, verbose=False)
+    real = callback_module.ActivationCheckpointing._plan_shape
+
+    def optimistic(self, cost_of, shape):
+        plan = real(self, cost_of, shape)
+        return dataclasses.replace(plan, budget_bytes=1024, predicted_peak_bytes=512)
+
+    callback_module.ActivationCheckpointing._plan_shape = optimistic
+    try:
+        with pytest.warns(UserWarning, match=r"OVER the memory_budget of 1\.0 KiB"):
+            make_trainer([cb], max_steps=2, default_root_dir=str(tmp_path)).fit(LitChain(), datamodule=TokenData(batch_size=8))
+    finally:
+        callback_module.ActivationCheckpointing._plan_shape = real

@@ -8,6 +8,7 @@ The Lightning glue is in the sibling modules of `lightning_ckpt.integrations`, t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +33,11 @@ from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.planning.policies import POLICIES
 from lightning_ckpt.profiling.blocks import resolve_blocks
 from lightning_ckpt.profiling.static_memory import StaticMemory
+from lightning_ckpt.planning.policies import InfeasibleBudgetError
+from lightning_ckpt.profiling.shapes import BatchShape, shape_of
 from lightning_ckpt.report import plan_metrics, plan_summary
+from lightning_ckpt.shape_plans import CostSource, ShapeDecision, ShapePlans, same_regions
+from lightning_ckpt.shape_plans import describe as describe_decision
 from lightning_ckpt.units import parse_bytes
 
 
@@ -137,6 +142,18 @@ class ActivationCheckpointing(Callback):
         self._static: StaticMemory | None = None
         self._measuring = contextlib.ExitStack()  # holds the first steady step's `step_peak`
         self._peak: measured_peak.PeakReading | None = None
+        self._shapes: ShapePlans | None = None  # profiles and plans per batch shape, kept across fits of one model
+        self._signature: list | None = None
+        self._shape: BatchShape | None = None  # the shape the applied plan was made for
+        self._costs: dict[BatchShape, StepCost] = {}
+        self._rates = None  # MachineRates measured with the first profile, reused for later shapes
+        self._resumed: Plan | None = None
+        self._find_max = False
+        self._told_slices = False
+        self._fit_batches = 0
+        self._batch_idx = 0
+        self._trainer: pl.Trainer | None = None
+        self.measured_peaks: dict[BatchShape, int | None] = {}  # measured step peak per shape (measure_peak)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -148,41 +165,69 @@ class ActivationCheckpointing(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # after `configure_model` (and the strategy's wrapping): a model built there exists only now
         _, self.block_names, self._blocks = resolve_blocks(pl_module, self.blocks)
+        signature = resume.block_signature(self.block_names, self._blocks)
+        if self._shapes is None or signature != self._signature:  # another model: what was profiled is void
+            self.profile, self._costs = None, {}
+            self._shapes = ShapePlans(self._profile_shape, self._plan_shape)
+        self._trainer = trainer  # what profiling and planning run with in this fit
+        self._shapes.forget_plans()  # the budget, the optimizer or the settings may differ in this fit
+        self._signature, self._static, self._shape, self._fit_batches = signature, None, None, 0
+        self.measured_peaks = {}
         if self.target_batch_size == "max":  # profile one batch of the current loader, plan the largest
-            self._plan_everywhere(trainer, lambda: self._profile_and_plan(trainer, pl_module, None, 0, find_max=True))
+            batch = loader.first_train_batch(trainer)
+            self._find_max = True
+            try:
+                self.plan = self._plan_everywhere(trainer, batch, 0).plan
+            finally:
+                self._find_max = False
             self.batch_size = self.plan.batch_size
+            self._shapes.forget_plans()  # the loader's batches come at the chosen size: planned when they arrive
         loader.set_loader_batch_size(trainer, pl_module, self.batch_arg_name, self.batch_size)
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._applied is not None:
-            self._start_measuring(trainer, pl_module, batch)
+        shape = shape_of(batch)
+        if self._applied is not None and shape == self._shape:  # the shape of the step before: nothing to do
+            self._start_measuring(trainer, pl_module, batch, batch_idx)
             return
-        loader.check_first_batch(batch, self.batch_size, self.batch_arg_name)
-        if self.plan is None:
-            self._plan_everywhere(trainer, lambda: self._profile_and_plan(trainer, pl_module, batch, batch_idx))
-        plan = self.plan
-        self._applied = compiled.apply_plan(pl_module, self._blocks, self.block_names, plan, self.guard_batchnorm)
-        if self.verbose or not plan.segments:
-            rank_zero_info(plan_summary(plan))
-        log_metrics(trainer, plan_metrics(plan))
-        if self.report:
-            self.report_paths = write_plan_report(trainer, plan, self.profile, self.cost, self.cost_metric)
-        if self.plan_only:
-            raise PlanOnly(str(plan))
-        self._start_measuring(trainer, pl_module, batch)
+        first = self._fit_batches == 0
+        if first:
+            loader.check_first_batch(batch, self.batch_size, self.batch_arg_name, loader.train_dataset_len(trainer))
+        self._fit_batches += 1
+        decision = self._plan_everywhere(trainer, batch, batch_idx)
+        self._switch_to(pl_module, decision, shape)
+        if first:
+            if self.verbose or not self.plan.segments:
+                rank_zero_info(plan_summary(self.plan))
+            log_metrics(trainer, plan_metrics(self.plan))
+            if self.report:
+                self.report_paths = write_plan_report(trainer, self.plan, self.profile, self.cost, self.cost_metric)
+            if self.plan_only:
+                raise PlanOnly(str(self.plan))
+        elif decision.new:
+            rank_zero_info(describe_decision(decision, self._shapes))
+            log_metrics(trainer, plan_metrics(self.plan))
+        if self._shapes.slice_error and not self._told_slices:
+            self._told_slices = True
+            rank_zero_info(
+                f"lightning-ckpt: new batch lengths are profiled on real batches only from now on: {self._shapes.slice_error}."
+            )
+        self._start_measuring(trainer, pl_module, batch, batch_idx)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._peak is None or self.measured_peak_bytes is not None:
+        if self._peak is None:
             return
         self._measuring.close()
-        self.measured_peak_bytes = self._peak.peak_bytes
-        measured_peak.report(trainer, self._peak, self.plan, self.report_paths)
+        reading, self._peak = self._peak, None
+        self.measured_peaks[self._shape] = reading.peak_bytes
+        if self.measured_peak_bytes is None:
+            self.measured_peak_bytes = reading.peak_bytes
+        measured_peak.report(trainer, reading, self.plan, self.report_paths, self._shape.describe())
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -208,54 +253,109 @@ class ActivationCheckpointing(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._loaded = dict(state_dict)
 
-    def _start_measuring(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
-        """Measure the first steady step (optimizer state exists, as the plan assumes), once."""
-        if self._peak is not None or self.measured_peak_bytes is not None:
+    @property
+    def plans(self) -> dict[BatchShape, Plan]:
+        """The plan made for every batch shape of this fit (the applied one is `plan`)."""
+        return {} if self._shapes is None else {d.shape: d.plan for d in self._shapes.plans.values()}
+
+    @property
+    def profile_runs(self) -> int:
+        """How many shapes this callback profiled (each on a few small slices of a batch)."""
+        return 0 if self._shapes is None else self._shapes.profile_runs
+
+    def _start_measuring(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        """Measure the first steady step of each shape (optimizer state exists, and with gradient
+        accumulation gradients from an earlier micro-batch are alive, as the plan assumes), once."""
+        if self._peak is not None or self._shape in self.measured_peaks:
             return
-        if measured_peak.should_measure(trainer, self.measure_peak):
+        accumulating = trainer.accumulate_grad_batches == 1 or batch_idx % trainer.accumulate_grad_batches != 0
+        if accumulating and measured_peak.should_measure(trainer, self.measure_peak):
             reading = measured_peak.step_peak(trainer, pl_module, batch, self._fit_memory)
             self._peak = self._measuring.enter_context(reading)
 
-    def _plan_everywhere(self, trainer: pl.Trainer, plan_fn: Callable[[], Plan | None]) -> None:
-        """The checkpoint's plan when it still fits the run, else `plan_fn()`; rank 0's on every rank."""
+    def _switch_to(self, pl_module: pl.LightningModule, decision: ShapeDecision, shape: BatchShape) -> None:
+        """Apply `decision`'s plan in place of the one applied (hooks only; kept when they are the same)."""
+        plan = decision.plan
+        if self._applied is None or not same_regions(plan, self.plan):
+            if self._applied is not None:
+                self._applied.remove()
+                self._applied = None
+            self._applied = compiled.apply_plan(pl_module, self._blocks, self.block_names, plan, self.guard_batchnorm)
+        self.plan, self._shape = plan, shape
+        self.cost = self._costs.get(shape, self.cost)
+
+    def _plan_everywhere(self, trainer: pl.Trainer, batch: Any, batch_idx: int) -> ShapeDecision:
+        """The plan for `batch`'s shape: cached, resumed from a checkpoint, or profiled and planned on
+        rank 0 (every rank profiles); rank 0's on every rank."""
+        shape = shape_of(batch)
+        hit = self._shapes.cached(shape)
+        if hit is not None:
+            return dataclasses.replace(hit, new=False)
+        self._batch_idx = batch_idx
+        if self._applied is not None:  # profiling runs the model as it is without a plan
+            self._applied.remove()
+            self._applied = None
 
         def resumed_or_planned() -> Plan | None:
             loaded, self._loaded = self._loaded, None
-            signature = resume.block_signature(self.block_names, self._blocks)
             resumed = resume.resumed_plan(
-                loaded, signature, self.target_batch_size, self._budget_bytes, self.policy, strict=self.strict_resume,
-                granularity=self.granularity, max_levels=self.max_levels,
+                loaded, self._signature, self.target_batch_size, self._budget_bytes, self.policy,
+                strict=self.strict_resume, granularity=self.granularity, max_levels=self.max_levels,
             )
-            if resumed is None:
-                return plan_fn()
-            self.profile, self.cost = resumed.profile, resumed.cost
-            return resumed.plan
+            if resumed is not None and resumed.profile is not None:
+                self._shapes.add_profile(shape, resumed.profile)
+                self.profile = resumed.profile
+                self._costs[shape] = resumed.cost
+                self._resumed = resumed.plan
+            return self._shapes.plan_for(batch, shape).plan
 
         broadcast = functools.partial(trainer.strategy.broadcast, src=0)
-        self.plan = plan_on_rank_zero(resumed_or_planned, broadcast, trainer.global_rank)
+        plan = plan_on_rank_zero(resumed_or_planned, broadcast, trainer.global_rank)
+        return self._shapes.settle(shape, plan)
 
-    def _profile_and_plan(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, find_max: bool = False
-    ) -> Plan | None:
-        """Profile on `batch` (None: one batch of the current loader), plan on rank 0 (None elsewhere)."""
-        batch = loader.first_train_batch(trainer) if batch is None else batch
-        self.profile = profile_first_batch(
-            trainer, pl_module, self._blocks, self.block_names, batch, batch_idx, self.probe_batch_sizes,
-            self.check_batch_size, calibrate_keeps=self.granularity == "op" and self.cost_metric == "time",
+    def _profile_shape(self, batch: Any, own: bool) -> Profile:
+        """Profile the blocks on slices of `batch` (`own`: the batch of the step about to run; else a
+        prefix of it at a shorter length)."""
+        trainer = self._trainer
+        pl_module = trainer.lightning_module
+        profile = profile_first_batch(
+            trainer, pl_module, self._blocks, self.block_names, batch, self._batch_idx, self.probe_batch_sizes,
+            self.check_batch_size, rates=self._rates,
+            calibrate_keeps=own and self._rates is None and self.granularity == "op" and self.cost_metric == "time",
         )
-        self.profiled_steps += 1
+        self.profiled_steps += own
+        if self._rates is None:
+            self._rates = profile.probes[0].rates
+        if self.profile is None:
+            self.profile = profile
+        return profile
+
+    def _plan_shape(self, cost_of: Callable[..., StepCost], shape: BatchShape) -> Plan | None:
+        """Rank 0's plan at `shape` from `cost_of` (None on the other ranks, which take rank 0's)."""
+        trainer = self._trainer
         if not trainer.is_global_zero:
-            return None  # every rank profiles (ZeRO-3 gathers parameters collectively); only rank 0 plans
-        self._static = strategy_static_memory(trainer, pl_module)
+            return None
+        if self._resumed is not None:  # the checkpoint's plan, for the shape it was made at
+            plan, self._resumed = self._resumed, None
+            return plan
+        if self._static is None:
+            self._static = strategy_static_memory(trainer, trainer.lightning_module)
         request = target_plan.PlanRequest(
             self._budget_bytes, self.policy, self.every_k, self.cost_metric, self.granularity, self.max_levels
         )
-        if find_max:
-            plan, self.cost = target_plan.plan_for_max(self.profile, self._static, request, self.batch_multiple)
+        costs = CostSource(cost_of, grads_accumulate=trainer.accumulate_grad_batches > 1)
+        if self._find_max:
+            plan, cost = target_plan.plan_for_max(costs, self._static, request, self.batch_multiple)
             rank_zero_info(
-                f"lightning-ckpt: target_batch_size='max' -> {plan.batch_size} (a multiple of {self.batch_multiple})"
+                f"lightning-ckpt: target_batch_size='max' -> {plan.batch_size} (a multiple of {self.batch_multiple}) "
+                f"at the shape of the first training batch ({shape.describe()}); batches of other shapes are planned "
+                "when they arrive at that size, and one that cannot fit stops the run before its step."
             )
         else:
-            plan, self.cost = target_plan.plan_for_target(self.profile, self._static, request, self.target_batch_size)
+            try:
+                plan, cost = target_plan.plan_for_target(costs, self._static, request, shape.batch_size)
+            except InfeasibleBudgetError as err:
+                raise InfeasibleBudgetError(f"the training batch of shape ({shape.describe()}): {err}") from None
+        self._costs[shape] = cost
+        self.cost = cost
         return plan
-

@@ -17,7 +17,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_ckpt.integrations.loggers import log_metrics
 from lightning_ckpt.planning.plan import Plan, format_bytes
@@ -117,7 +117,20 @@ def step_peak(
         reading.rss_anon_peak_bytes = rss.anon_peak_bytes - anon_start
 
 
-def summary(reading: PeakReading, plan: Plan) -> str:
+def over_budget(reading: PeakReading, plan: Plan) -> str:
+    """What to tell when the measured tensor peak exceeds the budget; empty when it does not."""
+    if plan.budget_bytes is None or reading.peak_bytes is None or reading.peak_bytes <= plan.budget_bytes:
+        return ""
+    what = "max allocated" if reading.reserved_peak_bytes is not None else "tracked tensors"
+    return (
+        f"The measured step peak ({what} {format_bytes(reading.peak_bytes)}) is OVER the memory_budget of "
+        f"{format_bytes(plan.budget_bytes)} by {format_bytes(reading.peak_bytes - plan.budget_bytes)}, although the "
+        f"plan predicted {format_bytes(plan.predicted_peak_bytes)}: something in the step is not in the memory "
+        "model. Lower memory_budget by the difference to keep the run inside it"
+    )
+
+
+def summary(reading: PeakReading, plan: Plan, shape: str | None = None) -> str:
     """One line: the prediction, the budget and each measured figure."""
     budget = format_bytes(plan.budget_bytes) if plan.budget_bytes is not None else "none"
     parts = [f"predicted {format_bytes(plan.predicted_peak_bytes)} (budget {budget})"]
@@ -129,12 +142,16 @@ def summary(reading: PeakReading, plan: Plan) -> str:
             parts.append(f"process RSS above fit start {format_bytes(reading.rss_peak_bytes)}")
         if reading.rss_anon_peak_bytes is not None:
             parts.append(f"of it anonymous (heap, tensors) {format_bytes(reading.rss_anon_peak_bytes)}")
-    return "lightning-ckpt: first planned step: " + ", ".join(parts)
+    where = f"first planned step at shape ({shape})" if shape else "first planned step"
+    return f"lightning-ckpt: {where}: " + ", ".join(parts)
 
 
-def report(trainer: pl.Trainer, reading: PeakReading, plan: Plan, report_paths: Sequence[Path]) -> None:
-    """Log the measured figures as `ckpt/*` metrics, print them next to the prediction and add them
-    to the JSON report (its ``"measured"`` entry) when one was written."""
+def report(
+    trainer: pl.Trainer, reading: PeakReading, plan: Plan, report_paths: Sequence[Path], shape: str | None = None
+) -> None:
+    """Log the measured figures as `ckpt/*` metrics, print them next to the prediction (a warning when
+    the measured peak is over the budget) and add them to the JSON report (its ``"measured"`` entry, for
+    the first shape measured) when one was written."""
     metrics = {
         "ckpt/measured_peak_bytes": reading.peak_bytes,
         "ckpt/measured_rss_peak_bytes": reading.rss_peak_bytes,
@@ -142,9 +159,16 @@ def report(trainer: pl.Trainer, reading: PeakReading, plan: Plan, report_paths: 
         "ckpt/measured_reserved_peak_bytes": reading.reserved_peak_bytes,
     }
     log_metrics(trainer, {k: float(v) for k, v in metrics.items() if v is not None})
-    rank_zero_info(summary(reading, plan))
+    line = summary(reading, plan, shape)
+    over = over_budget(reading, plan)
+    if over:
+        rank_zero_warn(f"{line}. {over}")
+    else:
+        rank_zero_info(line)
     for path in report_paths:
         if Path(path).name == REPORT_JSON:
             data = json.loads(Path(path).read_text())
+            if "measured" in data:
+                continue
             data["measured"] = {"predicted_peak_bytes": plan.predicted_peak_bytes, **reading.to_dict()}
             Path(path).write_text(json.dumps(data, indent=2))

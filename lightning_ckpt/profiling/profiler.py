@@ -431,7 +431,25 @@ def profile_model(
     if rates is not None:
         probes = tuple(_with_rates(p, rates) for p in probes)
         check = None if check is None else _with_rates(check, rates)
-    return Profile(probes=probes, check=check)  # type: ignore[arg-type]
+    return refit_without_smallest(Profile(probes=probes, check=check))  # type: ignore[arg-type]
+
+
+REFIT_TOLERANCE = 0.01  # relative miss at the check slice above which the smallest slice is left out
+
+
+def refit_without_smallest(profile: Profile) -> Profile:
+    """The profile's lines through its two larger slices when the line through the two smaller ones
+    misses the check slice by more than `REFIT_TOLERANCE`: the smallest slice can run other code than
+    the batch does (an attention mask dropped when its one sample has no padding, a reshape that
+    copies only from two samples on), and the larger slices are more like the batch."""
+    from lightning_ckpt.planning.shape_profile import relative_miss
+
+    if profile.check is None or relative_miss(profile.at(profile.check.batch_size), profile.check) <= REFIT_TOLERANCE:
+        return profile
+    small, large = profile.probes
+    if profile.check.batch_size <= large.batch_size:
+        return profile
+    return Profile(probes=(large, profile.check), check=None)
 
 
 def _with_rates(cost: StepCost, rates: MachineRates) -> StepCost:

@@ -1,0 +1,184 @@
+"""Step costs across batch shapes: one `Profile` (a line in the batch size) per profiled length
+of the dimension that varies between batches (a padded sequence length, an image side), and a
+polynomial in that length through them.
+
+At a fixed batch size every byte and FLOP count of a block is a polynomial of low degree in the
+length: linear for matmuls, layer norms and dropout, quadratic where attention materialises its
+scores. `ShapeProfile.at(batch, length)` evaluates the profile of a profiled length directly, and
+elsewhere a least-squares polynomial of degree at most 2 through the profiled lengths, field by
+field. `fit_error` checks that polynomial by leaving each profiled length out in turn and
+predicting it from the others; a length is `covered` (the fit may stand in for profiling it) only
+inside the profiled range and when that check is within its tolerance. Plain data, no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lightning_ckpt.planning.costs import BlockCost, OpCost, StepCost
+from lightning_ckpt.planning.linear_fit import _BLOCK_LINEAR, _SIGNED_TIMES, _STEP_LINEAR, Profile
+
+FIT_TOLERANCE = 0.01  # worst leave-one-out miss (share of the measured bytes) under which the fit is trusted
+MIN_FIT_LENGTHS = 4  # the leave-one-out check of a quadratic needs three lengths left in
+_OP_FIELDS = ("keep_bytes", "flops", "mem_bytes", "rng_bytes")
+_INT_STEP = (*_STEP_LINEAR, "post_forward_bytes")
+
+
+def _poly(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Least-squares polynomial of degree min(2, len(xs) - 1) through (xs, ys), at x."""
+    scale = max(xs)
+    u = np.asarray(xs, dtype=float) / scale
+    degree = min(2, len(xs) - 1)
+    coef = np.polynomial.polynomial.polyfit(u, np.asarray(ys, dtype=float), degree)
+    return float(np.polynomial.polynomial.polyval(x / scale, coef))
+
+
+def _fit_ops(opss: Sequence[tuple[OpCost, ...]], xs: Sequence[float], x: float) -> tuple[OpCost, ...]:
+    """The block's op calls at length `x`, when every profiled length ran the same calls; else
+    none (no op-level options for that block at that length)."""
+    keys = [tuple(o.key for o in ops) for ops in opss]
+    if not keys or any(k != keys[0] for k in keys):
+        return ()
+    fitted = []
+    for calls in zip(*opss):
+        kw = {f: max(0, int(round(_poly(xs, [getattr(o, f) for o in calls], x)))) for f in _OP_FIELDS}
+        fitted.append(
+            dataclasses.replace(
+                calls[0], saved=all(o.saved for o in calls), keepable=all(o.keepable for o in calls),
+                in_tail=all(o.in_tail for o in calls), **kw,
+            )
+        )
+    return tuple(fitted)
+
+
+def _fit_block(blocks: Sequence[BlockCost], xs: Sequence[float], x: float) -> BlockCost:
+    kw = dataclasses.asdict(blocks[0])
+    for f in _BLOCK_LINEAR:
+        v = max(0.0, _poly(xs, [getattr(b, f) for b in blocks], x))
+        kw[f] = v if f == "fwd_ms" else int(round(v))
+    peaks = [b.ckpt_fwd_peak_bytes for b in blocks]
+    kw["ckpt_fwd_peak_bytes"] = None if None in peaks else int(round(max(0.0, _poly(xs, peaks, x))))
+    for f in _SIGNED_TIMES:
+        values = [getattr(b, f) for b in blocks]
+        kw[f] = None if None in values else _poly(xs, values, x)
+    kw["input_saved_bytes"] = min(kw["input_saved_bytes"], kw["input_bytes"])
+    kw["output_saved_bytes"] = min(kw["output_saved_bytes"], kw["output_bytes"])
+    kw["input_saved_by_previous_bytes"] = min(kw["input_saved_by_previous_bytes"], kw["input_bytes"])
+    for tail, whole in (("tail_flops", "fwd_flops"), ("tail_mem_bytes", "fwd_mem_bytes"), ("tail_rng_bytes", "fwd_rng_bytes")):
+        kw[tail] = min(kw[tail], kw[whole])
+    kw["chains_from_previous"] = all(b.chains_from_previous for b in blocks)
+    kw["ops"] = _fit_ops([b.ops for b in blocks], xs, x)
+    return BlockCost(**kw)
+
+
+def fit_costs(costs: Sequence[StepCost], lengths: Sequence[int], length: int) -> StepCost:
+    """The step cost at `length` from costs at the same batch size and other `lengths`."""
+    xs = [float(v) for v in lengths]
+    first = costs[0]
+    blocks = tuple(_fit_block([c.blocks[i] for c in costs], xs, length) for i in range(first.n_blocks))
+    fields = {}
+    for f in _INT_STEP:
+        values = [getattr(c, f) for c in costs]
+        fields[f] = None if None in values else int(round(max(0.0, _poly(xs, values, length))))
+    meta = dict(first.meta)
+    meta["step_fwd_flops"] = max(0.0, _poly(xs, [c.meta.get("step_fwd_flops", 0) for c in costs], length))
+    return dataclasses.replace(first, blocks=blocks, meta=meta, **fields)
+
+
+def relative_miss(predicted: StepCost, measured: StepCost) -> float:
+    """Largest relative error of the predicted saved and boundary bytes of any block, and of the
+    bytes around the chain (before it, after it, the batch)."""
+    worst = 0.0
+    pairs = [(getattr(p, f), getattr(m, f)) for p, m in zip(predicted.blocks, measured.blocks) for f in ("saved_bytes", "input_bytes")]
+    pairs += [(getattr(predicted, f), getattr(measured, f)) for f in _STEP_LINEAR]
+    for p, m in pairs:
+        if m > 0:
+            worst = max(worst, abs(p - m) / m)
+    return worst
+
+
+@dataclass(frozen=True)
+class ShapeProfile:
+    """Profiles at several lengths of the varying dimension (ascending, distinct), all with the
+    same blocks. With one length it is that length's profile; with more, `at` interpolates."""
+
+    profiles: tuple[tuple[int, Profile], ...]
+    _errors: dict = field(default_factory=dict, compare=False, repr=False)  # fit_error by batch size
+
+    def __post_init__(self) -> None:
+        lengths = [x for x, _ in self.profiles]
+        if not lengths:
+            raise ValueError("a ShapeProfile needs at least one profiled length.")
+        if any(x < 1 for x in lengths) or lengths != sorted(set(lengths)):
+            raise ValueError(f"profiled lengths must be distinct positive integers in ascending order, got {lengths}.")
+        blocks = {p.n_blocks for _, p in self.profiles}
+        if len(blocks) != 1:
+            raise ValueError(f"profiles at different lengths disagree on the number of blocks: {sorted(blocks)}.")
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return tuple(x for x, _ in self.profiles)
+
+    @property
+    def n_blocks(self) -> int:
+        return self.profiles[0][1].n_blocks
+
+    def with_profile(self, length: int, profile: Profile) -> "ShapeProfile":
+        """This one with `profile` at `length` added (replacing an earlier one at that length)."""
+        kept = {x: p for x, p in self.profiles if x != length}
+        kept[length] = profile
+        return ShapeProfile(tuple(sorted(kept.items())))
+
+    def profile_at(self, length: int) -> Profile | None:
+        return dict(self.profiles).get(length)
+
+    def at(self, batch_size: int, length: int, **step_fields) -> StepCost:
+        """The step cost at `batch_size` and `length` (static fields passed through)."""
+        exact = self.profile_at(length)
+        if exact is not None:
+            return exact.at(batch_size, **step_fields)
+        if len(self.profiles) == 1:
+            raise ValueError(
+                f"length {length} was not profiled and one profiled length ({self.lengths[0]}) cannot be "
+                "extrapolated; profile that length too."
+            )
+        costs = [p.at(batch_size, **step_fields) for _, p in self.profiles]
+        return fit_costs(costs, self.lengths, length)
+
+    def fit_error(self, batch_size: int) -> float | None:
+        """Worst leave-one-out miss at `batch_size` (`relative_miss`), or None with fewer than
+        `MIN_FIT_LENGTHS` lengths, when the check cannot test a quadratic."""
+        if len(self.profiles) < MIN_FIT_LENGTHS:
+            return None
+        if batch_size not in self._errors:
+            self._errors[batch_size] = self._leave_one_out(batch_size)
+        return self._errors[batch_size]
+
+    def _leave_one_out(self, batch_size: int) -> float:
+        costs = [p.at(batch_size) for _, p in self.profiles]
+        lengths = self.lengths
+        worst = 0.0
+        for k in range(len(costs)):
+            rest = [c for j, c in enumerate(costs) if j != k]
+            xs = [x for j, x in enumerate(lengths) if j != k]
+            worst = max(worst, relative_miss(fit_costs(rest, xs, lengths[k]), costs[k]))
+        return worst
+
+    def covers(self, length: int, batch_size: int, tolerance: float = FIT_TOLERANCE) -> bool:
+        """Whether the fit may stand in for a profile at `length`: inside the profiled range, with a
+        leave-one-out check within `tolerance` (also at a profiled length: the points may disagree)."""
+        if not self.lengths[0] <= length <= self.lengths[-1]:
+            return False
+        err = self.fit_error(batch_size)
+        return err is not None and err <= tolerance
+
+    def to_dict(self) -> dict:
+        return {"profiles": [{"length": x, "profile": p.to_dict()} for x, p in self.profiles]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ShapeProfile":
+        return cls(tuple((int(e["length"]), Profile.from_dict(e["profile"])) for e in data["profiles"]))

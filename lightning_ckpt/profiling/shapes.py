@@ -1,0 +1,100 @@
+"""The shape of a batch, what varies between batches, and slices along what varies.
+
+A batch's shape is its batch size and the shape of each of its tensors, in traversal order.
+Two batches of one pipeline differ in a few positions (tensor, dimension): a padded sequence
+length shows in every tensor that has it (input ids, attention mask, labels), an image size in
+two dimensions. When every varying position has the same size within a batch, that size is the
+batch's *length* and costs are fitted as polynomials in it (`planning.shape_profile`); slicing
+every varying position to a shorter length (a prefix of each sequence) gives more lengths from
+one batch. Several independent lengths are profiled shape by shape instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_ckpt.profiling.batch import batch_size_of, map_tensors, tensors_in
+
+Position = tuple[int, int]  # (tensor index in traversal order, dimension)
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """batch_size: samples in the batch; shapes: every tensor's shape, in traversal order."""
+
+    batch_size: int
+    shapes: tuple[tuple[int, ...], ...]
+
+    def same_layout(self, other: "BatchShape") -> bool:
+        """The same tensors with the same number of dimensions (sizes may differ)."""
+        return len(self.shapes) == len(other.shapes) and all(len(a) == len(b) for a, b in zip(self.shapes, other.shapes))
+
+    def size_at(self, position: Position) -> int:
+        i, d = position
+        return self.shapes[i][d]
+
+    def describe(self) -> str:
+        """E.g. ``batch 16, tensors [16, 128], [16, 128], [16]``."""
+        tensors = ", ".join("[" + ", ".join(str(s) for s in shape) + "]" for shape in self.shapes)
+        return f"batch {self.batch_size}, tensors {tensors or 'none'}"
+
+
+def shape_of(batch: Any) -> BatchShape:
+    """The batch's shape (cheap: sizes only)."""
+    return BatchShape(batch_size_of(batch), tuple(tuple(t.shape) for t in tensors_in(batch)))
+
+
+def varying_positions(shapes: Sequence[BatchShape]) -> tuple[Position, ...]:
+    """Positions (tensor, dimension) whose size differs between any two of `shapes`, which share
+    one layout; the batch dimension of a tensor that has it is left out (that is the batch size)."""
+    first = shapes[0]
+    found = []
+    for i, dims in enumerate(first.shapes):
+        for d in range(len(dims)):
+            if d == 0 and dims[0] == first.batch_size:
+                continue
+            sizes = {s.shapes[i][d] for s in shapes}
+            if len(sizes) > 1:
+                found.append((i, d))
+    return tuple(found)
+
+
+def length_of(shape: BatchShape, positions: Sequence[Position]) -> int | None:
+    """The size shared by all varying `positions` of `shape`; None when there are none or they differ."""
+    sizes = {shape.size_at(p) for p in positions}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def slice_length(batch: Any, positions: Sequence[Position], length: int) -> Any:
+    """The batch with every varying position cut to its first `length` entries (copied, so that
+    the slice owns its memory), tensors elsewhere unchanged."""
+    by_tensor: dict[int, list[int]] = {}
+    for i, d in positions:
+        by_tensor.setdefault(i, []).append(d)
+    index = iter(range(10**9))
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        k = next(index)
+        dims = by_tensor.get(k)
+        if not dims:
+            return t
+        for d in dims:
+            t = t.narrow(d, 0, min(length, t.shape[d]))
+        return t.clone()
+
+    return map_tensors(batch, cut)
+
+
+def shorter_lengths(length: int, known: Sequence[int], fractions: Sequence[float] = (0.5, 0.75)) -> list[int]:
+    """Lengths to slice a batch of `length` down to, so that with it and the `known` lengths
+    a quadratic can be fitted and checked: the given fractions of it, not already known."""
+    out = []
+    for f in fractions:
+        x = max(1, int(round(length * f)))
+        if x < length and x not in known and x not in out:
+            out.append(x)
+    return sorted(out)

@@ -1,0 +1,295 @@
+"""A plan per batch shape, cached, with profiling bounded as batches of new shapes arrive.
+
+Batches of one pipeline share a layout (the same tensors with the same number of dimensions)
+and differ in a few sizes: the batch size and, with dynamic padding, a length. For each batch
+`ShapePlans.plan_for` finds the step's cost at that shape from what was profiled before, and
+plans it once:
+
+1. a profiled shape: its own profile (a line in the batch size);
+2. a length inside the profiled range, when the polynomial through the profiled lengths passes
+   its leave-one-out check (`planning.shape_profile`): the fit;
+3. a profiled shape at most `BUCKET` larger at every varying size: that shape's profile, which
+   over-counts a little (memory grows with every size);
+4. otherwise the batch itself is profiled on slices of its own samples, and, once the varying
+   dimensions are known, on prefixes of it at shorter lengths, so that later lengths are
+   fitted rather than profiled.
+
+Profiling and planning are injected (`profile_fn`, `plan_fn`): the engine is plain Python
+over shapes and profiles, the same under every front end. Nothing here runs a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_ckpt.planning.costs import StepCost
+from lightning_ckpt.planning.linear_fit import Profile
+from lightning_ckpt.planning.plan import Plan, format_bytes
+from lightning_ckpt.planning.shape_profile import FIT_TOLERANCE, ShapeProfile
+from lightning_ckpt.profiling.shapes import (
+    BatchShape,
+    length_of,
+    shape_of,
+    shorter_lengths,
+    slice_length,
+    varying_positions,
+)
+
+BUCKET = 0.125  # a profiled shape up to this much larger in every varying size may stand in for a new one
+
+SampleKey = tuple[tuple[int, ...], ...]
+CostOf = Callable[..., StepCost]  # (batch_size, **step fields) -> StepCost
+
+
+def sample_key(shape: BatchShape) -> SampleKey:
+    """The shape without its batch size: the batch dimension of each tensor that has it is -1."""
+    return tuple(((-1, *s[1:]) if s and s[0] == shape.batch_size else s) for s in shape.shapes)
+
+
+def layout_key(shape: BatchShape) -> tuple[int, ...]:
+    return tuple(len(s) for s in shape.shapes)
+
+
+@dataclass
+class ShapeFamily:
+    """The shapes of one layout seen so far and the profiles made at some of them: on real batches
+    (`own`) or on prefixes of them at shorter lengths, which only ever feed the fit."""
+
+    seen: dict[SampleKey, BatchShape] = field(default_factory=dict)
+    profiles: dict[SampleKey, tuple[BatchShape, Profile, bool]] = field(default_factory=dict)
+    _fitted: dict = field(default_factory=dict, repr=False)  # (own only, what it was built from) -> ShapeProfile
+
+    def positions(self) -> tuple[tuple[int, int], ...]:
+        shapes = list(self.seen.values()) + [s for s, _, _ in self.profiles.values()]
+        return varying_positions(shapes) if len(shapes) > 1 else ()
+
+    def length(self, shape: BatchShape) -> int | None:
+        positions = self.positions()
+        return length_of(shape, positions) if positions else None
+
+    def shape_profile(self, own_only: bool = False) -> ShapeProfile | None:
+        """The profiles (real batches only, with `own_only`) as a function of the one varying length;
+        None when the varying sizes are not one length (or nothing varies)."""
+        key = (own_only, tuple(self.profiles), tuple(self.seen))
+        if key not in self._fitted:
+            self._fitted = {key: self._shape_profile(own_only)}
+        return self._fitted[key]
+
+    def _shape_profile(self, own_only: bool) -> ShapeProfile | None:
+        positions = self.positions()
+        if not positions:
+            return None
+        by_length: dict[int, Profile] = {}
+        for shape, profile, own in self.profiles.values():
+            x = length_of(shape, positions)
+            if x is None:
+                return None
+            if own or not own_only:
+                by_length[x] = profile
+        return ShapeProfile(tuple(sorted(by_length.items()))) if by_length else None
+
+    def cost_of(self, shape: BatchShape) -> tuple[CostOf, str] | None:
+        """How to cost steps at `shape` from what was profiled, and from what ('profiled', 'fitted
+        ...' or 'bounded by <shape>'); None when nothing here can."""
+        exact = self.profiles.get(sample_key(shape))
+        if exact is not None and exact[2]:
+            return exact[1].at, "profiled"
+        x = self.length(shape)
+        if x is not None:
+            for own_only in (False, True):  # prefixes can differ from real batches (no padding left in them)
+                fitted = self.shape_profile(own_only)
+                if fitted is not None and fitted.covers(x, shape.batch_size):
+                    lengths = ", ".join(map(str, fitted.lengths))
+                    return (lambda b, fitted=fitted, **kw: fitted.at(b, x, **kw)), f"fitted over lengths {lengths}"
+        own_shapes = [s for s, _, own in self.profiles.values() if own]
+        bound = _bounding(shape, own_shapes, self.positions())
+        if bound is not None:
+            return self.profiles[sample_key(bound)][1].at, f"bounded by the profile at {bound.describe()}"
+        return None
+
+    def prefixes_misfit(self, batch_size: int) -> bool:
+        """Whether the prefixes disagree with the real batches: the fit over all profiles fails its
+        check while there are prefixes in it."""
+        if all(own for _, _, own in self.profiles.values()):
+            return False
+        fitted = self.shape_profile()
+        err = None if fitted is None else fitted.fit_error(batch_size)
+        return err is not None and err > FIT_TOLERANCE
+
+
+def _bounding(shape: BatchShape, profiled: list[BatchShape], positions) -> BatchShape | None:
+    """The smallest profiled shape that is at least as large as `shape` at every varying position
+    and at most `BUCKET` larger; equal elsewhere."""
+    best, best_size = None, None
+    for cand in profiled:
+        if sample_key(cand) == sample_key(shape):
+            return cand
+        ok, size = True, 1
+        for i, dims in enumerate(shape.shapes):
+            for d, n in enumerate(dims):
+                if d == 0 and n == shape.batch_size and cand.shapes[i][0] == cand.batch_size:
+                    continue
+                m = cand.shapes[i][d]
+                if (i, d) in positions:
+                    ok &= n <= m <= n * (1 + BUCKET)
+                    size *= m
+                else:
+                    ok &= m == n
+        if ok and (best_size is None or size < best_size):
+            best, best_size = cand, size
+    return best
+
+
+@dataclass(frozen=True)
+class ShapeDecision:
+    """The plan for one batch shape and how it was found."""
+
+    shape: BatchShape
+    plan: Plan
+    source: str  # 'profiled', 'fitted' or 'bounded by ...'
+    new: bool  # planned now (False: from the cache)
+    profiled_lengths: tuple[int, ...] = ()  # lengths profiled for it (the batch's own first)
+    profile_s: float = 0.0
+    plan_s: float = 0.0
+
+
+ProfileFn = Callable[[Any, bool], Profile]  # (batch, is its own shape) -> Profile
+PlanFn = Callable[[CostOf, BatchShape], Plan]
+
+
+class ShapePlans:
+    """Plans per shape (`plan_for`), profiles per family of shapes, and what it all cost."""
+
+    def __init__(self, profile_fn: ProfileFn, plan_fn: PlanFn, slice_lengths: bool = True) -> None:
+        self.profile_fn, self.plan_fn, self.slice_lengths = profile_fn, plan_fn, slice_lengths
+        self.families: dict[tuple[int, ...], ShapeFamily] = {}
+        self.plans: dict[tuple[SampleKey, int], ShapeDecision] = {}
+        self.slice_error: str | None = None  # why prefixes of batches stopped being profiled
+        self.profile_runs = 0  # profiles made (each a few small steps)
+        self.profile_s = 0.0
+        self.plan_s = 0.0
+
+    def forget_plans(self) -> None:
+        """Drop the cached plans (a new budget, static memory or setting), keep the profiles."""
+        self.plans.clear()
+
+    def add_profile(self, shape: BatchShape, profile: Profile) -> None:
+        """Register a profile made elsewhere (a resumed run's) at `shape`."""
+        family = self.families.setdefault(layout_key(shape), ShapeFamily())
+        family.seen.setdefault(sample_key(shape), shape)
+        family.profiles[sample_key(shape)] = (shape, profile, True)
+
+    @property
+    def profiled_shapes(self) -> list[BatchShape]:
+        return [s for f in self.families.values() for s, _, own in f.profiles.values() if own]
+
+    def cached(self, shape: BatchShape) -> ShapeDecision | None:
+        return self.plans.get((sample_key(shape), shape.batch_size))
+
+    def plan_for(self, batch: Any, shape: BatchShape | None = None) -> ShapeDecision:
+        """The plan for `batch`'s shape: cached, or costed (profiling the batch when needed) and planned."""
+        shape = shape_of(batch) if shape is None else shape
+        hit = self.cached(shape)
+        if hit is not None:
+            return dataclasses.replace(hit, new=False)
+        family = self.families.setdefault(layout_key(shape), ShapeFamily())
+        family.seen.setdefault(sample_key(shape), shape)
+        found = family.cost_of(shape)
+        lengths: tuple[int, ...] = ()
+        t0 = time.perf_counter()
+        if found is None:
+            lengths = self._profile(family, batch, shape)
+            found = family.cost_of(shape)
+            assert found is not None, "a profiled shape costs itself"
+        profile_s = time.perf_counter() - t0
+        cost_of, source = found
+        t1 = time.perf_counter()
+        plan = self.plan_fn(cost_of, shape)
+        plan_s = time.perf_counter() - t1
+        self.profile_s += profile_s
+        self.plan_s += plan_s
+        decision = ShapeDecision(shape, plan, source, True, lengths, profile_s, plan_s)
+        self.plans[(sample_key(shape), shape.batch_size)] = decision
+        return decision
+
+    def settle(self, shape: BatchShape, plan: Plan) -> ShapeDecision:
+        """The decision at `shape` with `plan` (rank 0's, as every rank applies it), cached."""
+        key = (sample_key(shape), shape.batch_size)
+        decision = self.plans.get(key)
+        if decision is None:
+            decision = ShapeDecision(shape, plan, "profiled", True)
+        decision = dataclasses.replace(decision, plan=plan)
+        self.plans[key] = decision
+        return decision
+
+    def _profile(self, family: ShapeFamily, batch: Any, shape: BatchShape) -> tuple[int, ...]:
+        """Profile the batch at its own shape and, when one length varies, at shorter prefixes."""
+        family.profiles[sample_key(shape)] = (shape, self.profile_fn(batch, True), True)
+        self.profile_runs += 1
+        x = family.length(shape)
+        done = (x,) if x is not None else ()
+        if self.slice_lengths and family.prefixes_misfit(shape.batch_size):
+            self.slice_lengths = False
+            self.slice_error = (
+                "the bytes of prefixes of a batch differ from those of real batches of the same shape (the model's "
+                "memory depends on the contents, e.g. an attention mask dropped when a batch has no padding)"
+            )
+        if x is None or not self.slice_lengths:
+            return done
+        positions = family.positions()
+        fitted = family.shape_profile()
+        known = fitted.lengths if fitted is not None else ()
+        known = (*known, *(family.length(s) for s, _, _ in family.profiles.values()))
+        for short in shorter_lengths(x, known):
+            part = slice_length(batch, positions, short)
+            part_shape = shape_of(part)
+            try:
+                profile = self.profile_fn(part, False)
+            except Exception as err:  # noqa: BLE001 - a prefix the model rejects: fit from full batches only
+                self.slice_error = f"{type(err).__name__}: {err}"
+                self.slice_lengths = False
+                break
+            family.profiles[sample_key(part_shape)] = (part_shape, profile, False)
+            self.profile_runs += 1
+            done += (short,)
+        return done
+
+
+@dataclass(frozen=True)
+class CostSource:
+    """`cost_of` with the step fields every plan of the run shares (gradient accumulation), as the
+    `at(batch_size, **step_fields)` the planners' callers take."""
+
+    cost_of: CostOf
+    grads_accumulate: bool = False
+
+    def at(self, batch_size: int, **step_fields) -> StepCost:
+        return self.cost_of(batch_size, grads_accumulate=self.grads_accumulate, **step_fields)
+
+
+def same_regions(a: Plan | None, b: Plan | None) -> bool:
+    """Whether two plans apply the same checkpoint regions (segments, inner segments, kept op calls)."""
+    if a is None or b is None:
+        return False
+    return (a.segments, a.inner_segments, a.keeps) == (b.segments, b.inner_segments, b.keeps)
+
+
+def describe(decision: ShapeDecision, plans: ShapePlans) -> str:
+    """One line for a batch shape met for the first time: its plan, where its cost came from, what it took."""
+    plan = decision.plan
+    ckpt = f"{len(plan.checkpointed)}/{plan.n_blocks} blocks in {len(plan.segments)} segment(s)" if plan.segments else "nothing"
+    budget = "" if plan.budget_bytes is None else f" of {format_bytes(plan.budget_bytes)}"
+    took = f"planned in {1e3 * decision.plan_s:.0f} ms"
+    if decision.profiled_lengths:
+        took = f"profiled at length(s) {', '.join(map(str, decision.profiled_lengths))} in {decision.profile_s:.2f} s, " + took
+    elif decision.profile_s:
+        took = f"profiled in {decision.profile_s:.2f} s, " + took
+    return (
+        f"lightning-ckpt: new batch shape ({decision.shape.describe()}): checkpointing {ckpt}, predicted "
+        f"{format_bytes(plan.predicted_peak_bytes)}{budget}; cost {decision.source}; {took} "
+        f"({len(plans.plans)} shape(s) planned, {plans.profile_runs} profiled so far)"
+    )
