@@ -1,0 +1,130 @@
+"""Plans per batch shape: cached, costed from profiles, the fit and bounds; profiling stays bounded."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_shape_profile import _profile
+
+from lightning_ckpt.planning.policies import make_plan
+from lightning_ckpt.shape_plans import BUCKET, ShapePlans, same_regions, sample_key
+from lightning_ckpt.profiling.shapes import shape_of, slice_length, varying_positions
+
+
+def _batch(batch: int, length: int) -> dict:
+    return {"input_ids": torch.zeros(batch, length, dtype=torch.long), "mask": torch.ones(batch, length), "y": torch.zeros(batch)}
+
+
+class _Recorder:
+    """A profiler whose bytes are a quadratic in the length whatever the contents, and a planner."""
+
+    def __init__(self, budget: int | None = None) -> None:
+        self.profiled: list[tuple[int, bool]] = []
+        self.budget = budget
+
+    def profile(self, batch, own):
+        length = batch["input_ids"].shape[1]
+        self.profiled.append((length, own))
+        return _profile(length)
+
+    def plan(self, cost_of, shape):
+        return make_plan(cost_of(shape.batch_size), "none" if self.budget is None else "optimal", self.budget)
+
+
+def test_a_repeated_shape_is_planned_once_and_a_new_length_profiled_with_its_prefixes():
+    rec = _Recorder()
+    plans = ShapePlans(rec.profile, rec.plan)
+    first = plans.plan_for(_batch(8, 64))
+    assert first.new and first.source == "profiled" and rec.profiled == [(64, True)]
+    again = plans.plan_for(_batch(8, 64))
+    assert not again.new and rec.profiled == [(64, True)]
+    plans.plan_for(_batch(8, 128))  # now the varying dimension is known: prefixes at 64 and 96 too
+    assert rec.profiled[1:] == [(128, True), (96, False)]  # 64 is known already
+    unchecked = plans.plan_for(_batch(8, 80))  # three lengths cannot check a quadratic: profiled
+    assert unchecked.source == "profiled" and rec.profiled[3] == (80, True)
+    fitted = plans.plan_for(_batch(8, 72))
+    assert fitted.source.startswith("fitted over lengths") and (72, True) not in rec.profiled
+
+
+def test_with_contents_independent_bytes_random_lengths_are_fitted_after_few_profiles():
+    rec = _Recorder()
+    plans = ShapePlans(rec.profile, rec.plan)
+    rng = random.Random(0)
+    lengths = [rng.randint(16, 128) for _ in range(60)]
+    sources = [plans.plan_for(_batch(8, x)).source for x in lengths]
+    own = [x for x, o in rec.profiled if o]
+    assert len(own) <= 8, f"{len(own)} real batches profiled for {len(set(lengths))} distinct lengths"
+    assert sum(s.startswith("fitted") for s in sources) >= 40
+    assert plans.plan_for(_batch(8, lengths[0])).new is False
+
+
+def test_the_fit_never_stands_in_beyond_the_profiled_lengths():
+    rec = _Recorder()
+    plans = ShapePlans(rec.profile, rec.plan)
+    for x in (64, 128, 100):
+        plans.plan_for(_batch(8, x))
+    n = len(rec.profiled)
+    plans.plan_for(_batch(8, 200))
+    assert rec.profiled[n] == (200, True)
+
+
+def test_a_shape_slightly_smaller_than_a_profiled_one_is_bounded_by_it():
+    rec = _Recorder()
+    plans = ShapePlans(rec.profile, rec.plan, slice_lengths=False)
+    plans.plan_for(_batch(8, 64))
+    plans.plan_for(_batch(8, 128))
+    inside = int(128 / (1 + BUCKET)) + 1
+    d = plans.plan_for(_batch(8, inside))
+    assert d.source.startswith("bounded by the profile at batch 8, tensors [8, 128]")
+    assert len(rec.profiled) == 2
+    d = plans.plan_for(_batch(8, 100))  # more than BUCKET below 128: profiled
+    assert d.source == "profiled" and len(rec.profiled) == 3
+
+
+def test_prefixes_that_disagree_with_real_batches_are_no_longer_profiled():
+    """Contents matter (say an attention mask dropped without padding): prefixes hold fewer bytes."""
+
+    class ContentsMatter(_Recorder):
+        def profile(self, batch, own):
+            super().profile(batch, own)
+            length = batch["input_ids"].shape[1]
+            return _profile(length, quad=1.0 if own else 0.0)
+
+    rec = ContentsMatter()
+    plans = ShapePlans(rec.profile, rec.plan)
+    for x in (32, 128, 64, 96, 48, 80, 112):
+        plans.plan_for(_batch(8, x))
+    assert plans.slice_error is not None and "differ from those of real batches" in plans.slice_error
+    prefixes_after = [o for x, o in rec.profiled[6:]]
+    assert not any(o is False for o in prefixes_after)
+    for d in plans.plans.values():  # every plan is costed from real batches, never from a prefix alone
+        assert d.source == "profiled" or d.source.startswith(("fitted", "bounded"))
+
+
+def test_the_batch_size_is_part_of_the_shape():
+    rec = _Recorder()
+    plans = ShapePlans(rec.profile, rec.plan)
+    a = plans.plan_for(_batch(8, 64))
+    b = plans.plan_for(_batch(3, 64))  # a last, smaller batch: the same profile, planned at its size
+    assert b.new and b.plan.batch_size == 3 and a.plan.batch_size == 8
+    assert len(rec.profiled) == 1
+    assert sample_key(shape_of(_batch(3, 64))) == sample_key(shape_of(_batch(8, 64)))
+
+
+def test_slices_along_the_varying_dimension_cut_every_tensor_that_has_it():
+    a, b = shape_of(_batch(4, 10)), shape_of(_batch(4, 20))
+    positions = varying_positions([a, b])
+    assert positions == ((0, 1), (1, 1))
+    part = slice_length(_batch(4, 20), positions, 7)
+    assert part["input_ids"].shape == (4, 7) and part["mask"].shape == (4, 7) and part["y"].shape == (4,)
+
+
+def test_same_regions_compares_what_is_applied():
+    rec = _Recorder(budget=None)
+    plans = ShapePlans(rec.profile, rec.plan)
+    p = plans.plan_for(_batch(8, 64)).plan
+    assert same_regions(p, p) and not same_regions(p, None)
+    with pytest.raises(AssertionError):
+        assert same_regions(None, None)
