@@ -2,13 +2,17 @@
 
 `python -m lightning_ckpt plan --config configs/encoder48.yaml` builds the run with LightningCLI, lets the
 config's `ActivationCheckpointing` plan on the first batch, stops before any optimizer step, prints the
-plan and writes the report.
+plan and writes the report. lightning-ckpt's own errors (a budget nothing fits, a wrong `blocks`, a bad
+argument) are printed as one line, `error: <message>`, with exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+_PACKAGE = Path(__file__).resolve().parent
 
 
 def preview(config: list[str], overrides: list[str]):
@@ -19,8 +23,31 @@ def preview(config: list[str], overrides: list[str]):
     return plan_preview(config, overrides)
 
 
+def _own_error(error: BaseException | None) -> BaseException | None:
+    """The ValueError that lightning-ckpt's own code raised, `error` or a cause of it (jsonargparse
+    wraps what an `__init__` raises); None when it came from the model's or the data's code."""
+    while error is not None:
+        tb = error.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if isinstance(error, ValueError) and tb is not None:
+            if Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(_PACKAGE):
+                return error
+        error = error.__cause__
+    return None
+
+
 def _preview(config: list[str], overrides: list[str]) -> int:
-    found = preview(config, overrides)
+    from lightning_ckpt.planning.policies import InfeasibleBudgetError
+
+    try:
+        found = preview(config, overrides)
+    except (InfeasibleBudgetError, ValueError) as error:
+        own = _own_error(error)
+        if own is None:
+            raise
+        print(f"error: {own}", file=sys.stderr)
+        return 2
     if found is None:
         print(
             f"error: the config {config} has no lightning_ckpt.ActivationCheckpointing under trainer.callbacks, "

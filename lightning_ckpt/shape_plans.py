@@ -183,6 +183,7 @@ class ShapePlans:
         family.seen.setdefault(sample_key(shape), shape)
         family.profiles[sample_key(shape)] = (shape, profile, True)
 
+
     @property
     def profiled_shapes(self) -> list[BatchShape]:
         return [s for f in self.families.values() for s, _, own in f.profiles.values() if own]
@@ -201,6 +202,13 @@ class ShapePlans:
         found = family.cost_of(shape)
         lengths: tuple[int, ...] = ()
         t0 = time.perf_counter()
+        if found is None and batch is None:
+            raise ValueError(
+                f"no profile covers the batch shape ({shape.describe()}), the largest of the ranks' batches, and no "
+                "rank holds a batch of exactly that shape to profile: the ranks' batches differ in more than one "
+                "size. Pad every rank's batches to a common length (e.g. a fixed max_length, or pad_to_multiple_of "
+                "in the collator with lengths grouped across ranks), or train on one process."
+            )
         if found is None:
             lengths = self._profile(family, batch, shape)
             found = family.cost_of(shape)
@@ -215,6 +223,13 @@ class ShapePlans:
         decision = ShapeDecision(shape, plan, source, True, lengths, profile_s, plan_s)
         self.plans[(sample_key(shape), shape.batch_size)] = decision
         return decision
+
+    def profile_own(self, batch: Any, shape: BatchShape) -> Profile:
+        """Profile `batch` at its own shape and register it (no prefixes, no plan)."""
+        profile = self.profile_fn(batch, True)
+        self.add_profile(shape, profile)
+        self.profile_runs += 1
+        return profile
 
     def settle(self, shape: BatchShape, plan: Plan) -> ShapeDecision:
         """The decision at `shape` with `plan` (rank 0's, as every rank applies it), cached."""
@@ -293,3 +308,15 @@ def describe(decision: ShapeDecision, plans: ShapePlans) -> str:
         f"{format_bytes(plan.predicted_peak_bytes)}{budget}; cost {decision.source}; {took} "
         f"({len(plans.plans)} shape(s) planned, {plans.profile_runs} profiled so far)"
     )
+
+
+def largest_shape(shapes: list[BatchShape]) -> BatchShape:
+    """The elementwise largest of shapes of one layout (batch size and every size)."""
+    first = shapes[0]
+    if any(not first.same_layout(s) for s in shapes):
+        raise ValueError(
+            "the ranks' batches have different layouts (other tensors or numbers of dimensions): "
+            f"{'; '.join(s.describe() for s in shapes)}. Every rank must get batches of one structure."
+        )
+    sizes = tuple(tuple(max(s.shapes[i][d] for s in shapes) for d in range(len(dims))) for i, dims in enumerate(first.shapes))
+    return BatchShape(max(s.batch_size for s in shapes), sizes)

@@ -71,8 +71,11 @@ def walk_peak(cost: StepCost, segments: Segments) -> PeakBreakdown:
     grads_all = cost.grad_bytes
 
     # forward: every block's resident bytes plus the head, with last step's grads still
-    # allocated; during block i its own scratch is live as well
-    fwd_grads = grads_all if cost.grads_live_in_forward else 0
+    # allocated (or those earlier micro-batches accumulated); during block i its own
+    # scratch is live as well
+    fwd_grads = grads_all if cost.grads_live_in_forward or cost.grads_accumulate else 0
+    # a micro-batch that accumulates finds every gradient allocated from its first backward on
+    head_grads = grads_all if cost.grads_accumulate else cost.outside_grad_bytes
     relief = blocks[-1].output_saved_bytes if n and owner[-1] < 0 else 0
     post = cost.post_saved_bytes - relief
     post_fwd = cost.post_saved_bytes if cost.post_forward_bytes is None else cost.post_forward_bytes
@@ -86,10 +89,12 @@ def walk_peak(cost: StepCost, segments: Segments) -> PeakBreakdown:
                 own += shift[i]
         fwd = max(fwd, prefix[i] + own)
     fwd += static + fwd_grads
-    fwd = max(fwd, static + cost.outside_grad_bytes + prefix[n] + post)  # the head's backward
+    fwd = max(fwd, static + head_grads + prefix[n] + post)  # the head's backward
 
-    # backward: blocks from last to first; gradients of later blocks exist
-    grads_after = cost.outside_grad_bytes
+    # backward: blocks from last to first; gradients of later blocks exist (all of them
+    # when accumulating: then no block adds its own)
+    grads_after = head_grads
+    own_grads = 0 if cost.grads_accumulate else 1
     bwd, bwd_at = 0, -1
     i = n - 1
     while i >= 0:
@@ -99,7 +104,7 @@ def walk_peak(cost: StepCost, segments: Segments) -> PeakBreakdown:
             live = prefix[i] + blk.saved_bytes + shift[i] + blk.output_bytes + blk.bwd_transient_bytes
             if live + grads_after > bwd:
                 bwd, bwd_at = live + grads_after, i
-            grads_after += blk.grad_bytes
+            grads_after += own_grads * blk.grad_bytes
             i -= 1
             continue
         a, b = segments[j]
@@ -114,7 +119,7 @@ def walk_peak(cost: StepCost, segments: Segments) -> PeakBreakdown:
             if live + grads_after > bwd:
                 bwd, bwd_at = live + grads_after, k
             rebuilt -= blk.saved_bytes - (blk.input_saved_bytes if k == a else 0)
-            grads_after += blk.grad_bytes
+            grads_after += own_grads * blk.grad_bytes
         i = a - 1
     bwd += static
 

@@ -49,3 +49,61 @@ def test_blocks_listed_out_of_call_order_are_refused():
 
     with pytest.raises(ValueError, match=r"block 'blocks.0' ran when block 'blocks.1' was expected"):
         probe_step(model, mods, step, tokens_batch(), names, timing=False)
+
+
+def _tiny_bert_classifier() -> torch.nn.Module:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=100,
+    )
+
+    class Lit(torch.nn.Module):  # a LightningModule holds the HF model as `self.model`
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = BertForSequenceClassification(config)
+
+    return Lit()
+
+
+def test_string_naming_one_block_says_to_use_a_list_or_the_container():
+    model = _tiny_bert_classifier()
+    match = (
+        r"blocks='model.bert.encoder.layer.0' names one BertLayer, whose children are of different classes "
+        r"\(BertAttention, BertIntermediate, BertOutput\): a string names the container of the blocks .* "
+        r"Write blocks=\['model.bert.encoder.layer.0'\] \(a one-element list\) to checkpoint that module alone, "
+        r"or blocks='model.bert.encoder.layer' to plan over it and its siblings"
+    )
+    with pytest.raises(ValueError, match=match):
+        resolve_blocks(model, "model.bert.encoder.layer.0")
+    _, names, mods = resolve_blocks(model, ["model.bert.encoder.layer.0"])
+    assert names == ["model.bert.encoder.layer.0"] and mods == [model.model.bert.encoder.layer[0]]
+    path, names, _ = resolve_blocks(model, "model.bert.encoder.layer")
+    assert path == "model.bert.encoder.layer" and names == ["model.bert.encoder.layer.0", "model.bert.encoder.layer.1"]
+
+
+def test_string_naming_one_block_outside_a_container_lists_the_containers():
+    with pytest.raises(
+        ValueError,
+        match=r"blocks='model.bert' names one BertModel, .*\(BertEmbeddings, BertEncoder, BertPooler\).* or the path of "
+        r"the container of the blocks, one of 'model.bert.encoder.layer' \(2 blocks\)",
+    ):
+        resolve_blocks(_tiny_bert_classifier(), "model.bert")
+
+
+def test_a_module_whose_children_share_a_class_is_a_container():
+    class Stack(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stack = Stack()
+
+    path, names, _ = resolve_blocks(Net(), "stack")
+    assert path == "stack" and names == ["stack.first", "stack.second"]
+    compiled = torch.nn.Module()
+    compiled.net = torch.compile(Net())  # the blocks of a compiled model are found through its wrapper
+    assert resolve_blocks(compiled, "net.stack")[1] == ["net.stack.first", "net.stack.second"]

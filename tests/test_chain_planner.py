@@ -81,6 +81,7 @@ def rich_cost(rng: random.Random, n: int, huge: bool = True) -> StepCost:
         post_forward_bytes=rng.choice((None, rng.randint(0, 80))),
         grads_live_in_forward=rng.random() < 0.5,
         optimizer_transient_bytes=rng.choice((0, rng.randint(0, 200))),
+        grads_accumulate=rng.random() < 0.5,
     )
 
 

@@ -27,11 +27,19 @@ from lightning_ckpt import (  # noqa: E402
     static_memory,
 )
 from lightning_ckpt.apply import apply_segments  # noqa: E402
+from lightning_ckpt.planning.machine_rates import MachineRates  # noqa: E402
 
 CHAIN = ["stem", "layer1.*", "layer2.*", "layer3.*", "layer4.*"]
 TARGET = 32  # small enough that a tracked step takes a fraction of a second
 FRACTIONS = (0.25, 0.50, 0.75)  # budgets this far from the `full` peak to the `none` peak
 RESOLUTION = {"stem": 32, "layer1": 32, "layer2": 16, "layer3": 8, "layer4": 4}
+# The `time` metric's rates, fixed (what `profile_model` measured with timing on, on the 2-core
+# CPU the suite runs on, rounded) and the profile untimed, without keep calibration: op-level
+# plans then come out the same on every machine.
+RATES = MachineRates(
+    flop_per_s=1.0e11, mem_byte_per_s=1.32e10, rng_byte_per_s=8.8e8, segment_s=2.3e-5,
+    keep_draws_op_s=1.6e-5, keep_ops_op_s=3.5e-5,
+)
 
 
 def _resolution(name: str) -> int:
@@ -62,7 +70,7 @@ def cnn():
     loss_fn(batches[0]).backward()
     opt.step()
     names, blocks = resolve_blocks(model, CHAIN)[1:]
-    profile = profile_model(model, blocks, loss_fn, batches[0], (1, 2), 4, names=names)
+    profile = profile_model(model, blocks, loss_fn, batches[0], (1, 2), 4, names=names, timing=False, rates=RATES)
     static = static_memory(model, [opt])
     cost = profile.at(TARGET, static_bytes=static.resident_bytes, optimizer_transient_bytes=static.optimizer_transient_bytes)
     return model, opt, batches, loss_fn, names, blocks, profile, cost

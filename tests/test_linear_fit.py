@@ -75,3 +75,20 @@ def test_keep_savings_follow_a_line_that_may_go_below_zero():
     assert Profile((saving(a, -1.0, 0.5), b)).at(8).blocks[0].keep_saved_ms is None
     back = Profile.from_dict(Profile((saving(a, -1.0, None), saving(b, 0.5, None))).to_dict())
     assert back.at(8).blocks[0].keep_saved_ms == 9.5 and back.at(8).blocks[0].keep_draws_saved_ms is None
+
+
+def test_a_smallest_slice_unlike_the_batch_is_left_out_of_the_line():
+    """Batch 1 runs other code (its one sample has no padding, so no mask is built): the line through
+    batches 1 and 2 misses the check at 4, and the line through 2 and 4 is used instead."""
+    from lightning_ckpt.planning.costs import BlockCost, StepCost
+    from lightning_ckpt.planning.linear_fit import refit_without_smallest
+
+    def step(b, pre):
+        return StepCost(blocks=(BlockCost("b0", saved_bytes=100 * b, input_bytes=10 * b),), batch_size=b, pre_saved_bytes=pre)
+
+    odd = Profile(probes=(step(1, 10), step(2, 100)), check=step(4, 200))
+    refit = refit_without_smallest(odd)
+    assert [p.batch_size for p in refit.probes] == [2, 4] and refit.check is None
+    assert refit.at(8).pre_saved_bytes == 400
+    linear = Profile(probes=(step(1, 50), step(2, 100)), check=step(4, 200))
+    assert refit_without_smallest(linear) is linear

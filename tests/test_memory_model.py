@@ -204,6 +204,7 @@ def costs_and_plans(draw, max_blocks: int = 8):
         post_forward_bytes=draw(st.none() | st.integers(0, 120)),
         grads_live_in_forward=draw(st.booleans()),
         optimizer_transient_bytes=draw(st.integers(0, 300)),
+        grads_accumulate=draw(st.booleans()),
     )
     segs: list[tuple[int, int]] = []
     for i, label in enumerate(draw(st.lists(st.sampled_from("kns"), min_size=len(blocks), max_size=len(blocks)))):
@@ -248,6 +249,7 @@ def test_numpy_form_equals_the_scalar_elements(case):
     terms = step_terms(cost)
     assert (a.end_need, a.opt_need) == (end_need(cost), optimizer_need(cost))
     assert a.o[n] == end_relief(cost, True)
+    assert a.least_bwd_grads == min(terms.gradients_after, default=cost.outside_grad_bytes)
     for p in range(n):
         kept = kept_element(cost, p, terms)
         assert a.keep_need[p] == kept.need_bytes and a.saved[p] == kept.resident_bytes

@@ -23,9 +23,10 @@ from lightning_ckpt.planning.policies import InfeasibleBudgetError, make_plan
 from lightning_ckpt.planning.recompute_cost import recompute_cost
 
 
-def deep_cost(rng: random.Random, n: int, scale: int = 1) -> StepCost:
+def deep_cost(rng: random.Random, n: int, scale: int = 1, accumulate: bool = False) -> StepCost:
     """Blocks that save much more than their boundaries (where nesting pays), with every
-    overlap field, scratch, gradients and now and then a block that does not chain."""
+    overlap field, scratch, gradients and now and then a block that does not chain;
+    `accumulate`: a micro-batch that accumulates into existing gradients."""
     blocks = []
     for i in range(n):
         x = rng.randint(1, 6)
@@ -56,6 +57,7 @@ def deep_cost(rng: random.Random, n: int, scale: int = 1) -> StepCost:
         outside_grad_bytes=scale * rng.randint(0, 5),
         post_saved_bytes=scale * rng.randint(0, 10),
         grads_live_in_forward=rng.random() < 0.5,
+        grads_accumulate=accumulate,
     )
 
 
@@ -83,11 +85,11 @@ def _check(cost: StepCost, budget: int, levels: int) -> str:
 
 
 def test_equals_brute_force_on_small_chains():
-    rng = random.Random(0)
+    rng, flags = random.Random(0), random.Random(10)  # the flag from its own stream: the chains stay those of rng
     kinds = []
     for _ in range(110):
         n = rng.randint(1, 6)
-        cost = deep_cost(rng, n)
+        cost = deep_cost(rng, n, accumulate=flags.random() < 0.5)
         levels = rng.choice((1, 2, 3))
         for budget in _budgets(rng, cost):
             kinds.append(_check(cost, budget, levels))
@@ -98,8 +100,8 @@ def test_equals_brute_force_on_small_chains():
 def test_equals_brute_force_on_eight_blocks():
     rng = random.Random(1)
     kinds = []
-    for _ in range(2):
-        cost = deep_cost(rng, 8)
+    for accumulate in (False, True):
+        cost = deep_cost(rng, 8, accumulate=accumulate)
         for budget in _budgets(rng, cost)[:3]:
             kinds.append(_check(cost, budget, 2))
     assert "nested" in kinds
@@ -121,11 +123,13 @@ def test_real_sizes_round_up_and_still_fit():
     """Bytes scaled by a million: slots of many bytes. Every answer fits and costs at least the
     exact optimum (found at one-byte slots on the unscaled chain), and it is found whenever a
     plan fits with a little room to spare."""
-    rng = random.Random(3)
+    rng, flags = random.Random(3), random.Random(13)
     for _ in range(30):
         n = rng.randint(3, 6)
         seed = rng.random()
-        small, big = deep_cost(random.Random(seed), n), deep_cost(random.Random(seed), n, scale=10**6)
+        accumulate = flags.random() < 0.5
+        small = deep_cost(random.Random(seed), n, accumulate=accumulate)
+        big = deep_cost(random.Random(seed), n, scale=10**6, accumulate=accumulate)
         for budget in _budgets(rng, small):
             exact = solve_nested(small, budget, "flops", 2)
             got = solve_nested(big, budget * 10**6, "flops", 2)

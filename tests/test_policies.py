@@ -58,14 +58,18 @@ def random_cost(rng: random.Random, n: int) -> StepCost:
     blocks = [
         b if b.input_saved_bytes <= b.saved_bytes else BlockCost(**{**b.__dict__, "input_saved_bytes": 0}) for b in blocks
     ]
+    static = rng.randint(0, 100)
     return StepCost(
         blocks=tuple(blocks),
         batch_size=4,
-        static_bytes=rng.randint(0, 100),
+        static_bytes=static,
         outside_grad_bytes=rng.randint(0, 20),
         pre_saved_bytes=rng.randint(0, 20),
         post_saved_bytes=rng.randint(0, 60),
         grads_live_in_forward=rng.random() < 0.5,
+        # half the chains are accumulating micro-batches, told by a number already drawn, so
+        # that `rng` (and every chain the callers draw after this one) stays what it was
+        grads_accumulate=static % 2 == 1,
     )
 
 
@@ -213,12 +217,12 @@ block_costs = st.builds(
     st.integers(0, 10**5), st.integers(0, 10**4), st.integers(0, 10**6), st.booleans(),
 )
 step_costs = st.builds(
-    lambda blocks, static, og, pre, post, live: StepCost(
+    lambda blocks, static, og, pre, post, live, accumulate: StepCost(
         blocks=tuple(blocks), batch_size=1, static_bytes=static, outside_grad_bytes=og, pre_saved_bytes=pre,
-        post_saved_bytes=post, grads_live_in_forward=live,
+        post_saved_bytes=post, grads_live_in_forward=live, grads_accumulate=accumulate,
     ),
     st.lists(block_costs, min_size=0, max_size=12), st.integers(0, 10**6), st.integers(0, 10**4),
-    st.integers(0, 10**4), st.integers(0, 10**5), st.booleans(),
+    st.integers(0, 10**4), st.integers(0, 10**5), st.booleans(), st.booleans(),
 )
 
 

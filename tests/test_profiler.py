@@ -1,7 +1,8 @@
-"""Profiler: linear extrapolation of bytes, state left untouched, batch slicing."""
+"""Profiler: linear extrapolation of bytes, state left untouched (`state`), batch slicing."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import numpy as np
@@ -18,6 +19,7 @@ from models import (
 
 from lightning_ckpt.profiling.batch import batch_size_of, slice_batch
 from lightning_ckpt.profiling.profiler import probe_step, profile_model
+from lightning_ckpt.profiling.state import preserved_rng, preserved_state, unchanged_parameters
 
 
 def _chain_loss(model):
@@ -143,8 +145,9 @@ def test_slicing_nested_batches():
     assert batch_size_of(batch) == 8
     sliced = slice_batch(batch, 2)
     assert sliced["x"].shape == (2, 3) and sliced["meta"][0].shape == (2,) and sliced["meta"][1] == "tag"
-    with pytest.raises(ValueError, match=r"leading dimensions \[3, 8\]"):
-        batch_size_of((torch.zeros(8, 2), torch.zeros(3)))
+    assert batch_size_of((torch.zeros(8, 2), torch.zeros(3), torch.zeros(8))) == 8  # the [3] is not per-sample
+    with pytest.raises(ValueError, match="holds no tensor with a batch dimension"):
+        batch_size_of({"s": torch.tensor(1.0)})
 
 
 def test_bad_probe_sizes_and_small_batch():
@@ -166,3 +169,65 @@ def test_slices_are_copies_so_boundary_bytes_scale_with_the_batch():
     batch = torch.zeros(8, 5)
     part = slice_batch(batch, 2)
     assert part.untyped_storage().nbytes() == 2 * 5 * 4
+
+
+# ----------------------------------------------------------------------------- state.py
+
+
+def _rng_streams():
+    return torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
+
+
+def _same_rng(a, b) -> bool:
+    return torch.equal(a[0], b[0]) and a[1] == b[1] and np.array_equal(a[2], b[2])
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_preserved_rng_puts_every_stream_back(fails):
+    before = _rng_streams()
+    with pytest.raises(RuntimeError) if fails else contextlib.nullcontext():
+        with preserved_rng():
+            torch.rand(3), random.random(), np.random.rand()
+            if fails:
+                raise RuntimeError("inside")
+    assert _same_rng(before, _rng_streams())
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_preserved_state_puts_requires_grad_and_grads_back(fails):
+    """A step that turns `requires_grad` off (as `toggle_optimizer` does) and dies before turning it
+    back: flags and gradients are as before, as are the RNG streams."""
+    model = TinyChain(n_blocks=2)
+    model.head.weight.requires_grad_(False)
+    grads = {n: torch.full_like(p, 0.5) for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        p.grad = grads[n]
+    before = _rng_streams()
+    with pytest.raises(RuntimeError) if fails else contextlib.nullcontext():
+        with preserved_state(model):
+            assert all(p.grad is None for p in model.parameters())
+            for p in model.blocks[0].parameters():
+                p.requires_grad_(False)
+            model.head.weight.requires_grad_(True)
+            torch.rand(3)
+            if fails:
+                raise RuntimeError("inside")
+    assert [n for n, p in model.named_parameters() if not p.requires_grad] == ["head.weight"]
+    assert all(p.grad is grads[n] for n, p in model.named_parameters())
+    assert _same_rng(before, _rng_streams())
+
+
+def test_unchanged_parameters_reports_in_place_writes_only():
+    model = TinyChain(n_blocks=2)
+    with unchanged_parameters(model):  # gradients, `.data` swaps and reads are no writes
+        model(tokens_batch(batch=2)[0]).sum().backward()
+        model.head.bias.data = model.head.bias.data.clone()
+    with pytest.raises(RuntimeError, match=r"^the training step modified 2 parameter\(s\) in place during profiling "
+                                           r"\(head\.weight, head\.bias\)"):
+        with unchanged_parameters(model), torch.no_grad():
+            model.head.weight.mul_(1.0)
+            model.head.bias.zero_()
+    with pytest.raises(KeyError):  # a failure inside is what comes out, not the report
+        with unchanged_parameters(model), torch.no_grad():
+            model.head.bias.zero_()
+            raise KeyError("inside")

@@ -337,6 +337,19 @@ def test_zero3_frozen_module_inside_checkpointed_segment(ranks):
 @pytest.mark.slow
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
 @pytest.mark.parametrize("precision", PRECISIONS)
+def test_ddp_ranks_with_batches_of_different_lengths_run_one_plan_within_it(ranks):
+    """Each rank's batches are padded to their own longest sample, so the ranks' lengths differ; every
+    rank applies the plan of the largest shape, and each rank's measured step fits that plan's peak."""
+    a, b = ranks[0]["ddp_shapes"], ranks[1]["ddp_shapes"]
+    assert [r["length"] for r in a["rows"]] != [r["length"] for r in b["rows"]], "the lengths should differ"
+    assert [r["segments"] for r in a["rows"]] == [r["segments"] for r in b["rows"]]
+    assert [r["predicted"] for r in a["rows"]] == [r["predicted"] for r in b["rows"]]
+    for side in (a, b):
+        assert len(side["peaks"]) == 3
+        for row, peak in zip(side["rows"], side["peaks"]):
+            assert peak <= row["predicted"]
+
+
 def test_ddp_losses_equal_without_checkpointing(ranks, precision):
     """Lightning's plain DDP, 2 CPU ranks, fp32 and bf16-mixed (autocast): losses equal the plain run's and
     both ranks apply the same plan."""
@@ -402,6 +415,7 @@ def _worker(out_dir: Path) -> None:  # pragma: no cover - runs in the spawned ra
     for precision in PRECISIONS:
         results["ddp"][precision] = _pair("ddp", precision)
     results["failure"] = _injected_failures(rank)
+    results["ddp_shapes"] = _ddp_shapes_run()
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
 
 
@@ -671,6 +685,33 @@ def _injected_failures(rank: int) -> dict:
             "error": error, "warned": warned, "segments": [list(s) for s in cb.plan.segments] if cb.plan else None,
         }
     return out
+
+
+def _ddp_shapes_run() -> dict:
+    """DDP with batches padded per batch: the ranks' batches have different lengths at every step."""
+    import lightning.pytorch as pl
+    from hf_models import LitHF, PaddedTextData, StepPeaks, tiny_bert
+
+    from lightning_ckpt import ActivationCheckpointing
+
+    class Applied(pl.Callback):
+        def __init__(self, cb):
+            self.cb, self.rows = cb, []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            plan = self.cb.plan
+            self.rows.append({"length": int(batch["input_ids"].shape[1]), "segments": [list(s) for s in plan.segments],
+                              "predicted": plan.predicted_peak_bytes})
+
+    pl.seed_everything(0, verbose=False)
+    cb = ActivationCheckpointing(4, memory_budget="1GiB", policy="full", verbose=False, report=False)
+    applied, peaks = Applied(cb), StepPeaks()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[cb, applied, peaks],
+    )
+    trainer.fit(LitHF(tiny_bert(layers=2)), datamodule=PaddedTextData([16, 32, 24], batch_size=8))
+    return {"rows": applied.rows, "peaks": peaks.peaks, "profiled": cb.profiled_steps}
 
 
 def _pair(strategy: str, precision: str) -> dict:

@@ -17,11 +17,11 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_ckpt.apply import AppliedPlan
-from lightning_ckpt.integrations import arguments, compiled, measured_peak, resume, target_plan
+from lightning_ckpt.integrations import arguments, compiled, measured_peak, rank_shapes, resume, target_plan
 from lightning_ckpt.integrations import loader_batch_size as loader
 from lightning_ckpt.integrations.loggers import log_metrics, write_plan_report
 from lightning_ckpt.integrations.profile_step import profile_first_batch
@@ -36,7 +36,7 @@ from lightning_ckpt.profiling.static_memory import StaticMemory
 from lightning_ckpt.planning.policies import InfeasibleBudgetError
 from lightning_ckpt.profiling.shapes import BatchShape, shape_of
 from lightning_ckpt.report import plan_metrics, plan_summary
-from lightning_ckpt.shape_plans import CostSource, ShapeDecision, ShapePlans, same_regions
+from lightning_ckpt.shape_plans import CostSource, ShapeDecision, ShapePlans, largest_shape, same_regions
 from lightning_ckpt.shape_plans import describe as describe_decision
 from lightning_ckpt.units import parse_bytes
 
@@ -288,6 +288,9 @@ class ActivationCheckpointing(Callback):
         """The plan for `batch`'s shape: cached, resumed from a checkpoint, or profiled and planned on
         rank 0 (every rank profiles); rank 0's on every rank."""
         shape = shape_of(batch)
+        shapes = rank_shapes.gather(trainer, shape)
+        if len(set(shapes)) > 1:  # the ranks' batches differ: every rank runs the plan of the largest
+            return self._plan_largest(trainer, batch, shape, shapes, batch_idx)
         hit = self._shapes.cached(shape)
         if hit is not None:
             return dataclasses.replace(hit, new=False)
@@ -312,6 +315,32 @@ class ActivationCheckpointing(Callback):
         broadcast = functools.partial(trainer.strategy.broadcast, src=0)
         plan = plan_on_rank_zero(resumed_or_planned, broadcast, trainer.global_rank)
         return self._shapes.settle(shape, plan)
+
+    def _plan_largest(
+        self, trainer: pl.Trainer, batch: Any, shape: BatchShape, shapes: list[BatchShape], batch_idx: int
+    ) -> ShapeDecision:
+        """With the ranks' batches of different shapes: the plan of their largest shape on every rank.
+        When some rank's shape was never profiled, every rank profiles its own batch (collectively, as
+        sharded parameters are gathered) and all profiles are shared before rank 0 plans."""
+        largest = largest_shape(shapes)
+        hit = self._shapes.cached(largest)
+        if hit is not None:
+            return dataclasses.replace(hit, new=False)
+        self._batch_idx = batch_idx
+        if self._applied is not None:
+            self._applied.remove()
+            self._applied = None
+        if any(s not in self._shapes.profiled_shapes for s in shapes):
+            profile = None
+            try:
+                profile = self._shapes.profile_own(batch, shape)
+            except Exception as err:  # noqa: BLE001 - every rank must reach the exchange below
+                rank_zero_warn(f"lightning-ckpt: rank {trainer.global_rank} failed to profile ({err}).")
+            for other, data in rank_shapes.exchange(trainer, shape, profile):
+                self._shapes.add_profile(other, Profile.from_dict(data))
+        broadcast = functools.partial(trainer.strategy.broadcast, src=0)
+        plan = plan_on_rank_zero(lambda: self._shapes.plan_for(None, largest).plan, broadcast, trainer.global_rank)
+        return self._shapes.settle(largest, plan)
 
     def _profile_shape(self, batch: Any, own: bool) -> Profile:
         """Profile the blocks on slices of `batch` (`own`: the batch of the step about to run; else a

@@ -2,7 +2,9 @@
 
 The probes run the module's own `training_step` under the precision plugin's step
 context, inside the strategy's profiling context and with `self.log` muted, so they
-see what training sees and leave the run (metrics, gradients, DeepSpeed's state) alone.
+see what training sees and leave the run (metrics, gradients, DeepSpeed's state) alone;
+optimizer and scheduler steps are skipped and, under manual optimization, the profiler
+runs the backward that `manual_backward` is given (`held_training`).
 Under sharded training every rank also measures the all-gather rate (`profiling.gather`).
 """
 
@@ -15,9 +17,11 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_ckpt.integrations.compiled import compiled_by, eager_only, one_block_profile
+from lightning_ckpt.integrations.held_training import held_training
 from lightning_ckpt.integrations.muted_logging import muted_logging
 from lightning_ckpt.integrations.strategy_hooks import profiling_context
 from lightning_ckpt.planning.linear_fit import Profile
+from lightning_ckpt.planning.machine_rates import MachineRates
 from lightning_ckpt.profiling.batch import batch_size_of
 from lightning_ckpt.profiling.gather import with_recompute_gather
 from lightning_ckpt.profiling.profiler import profile_model
@@ -57,19 +61,23 @@ def profile_first_batch(
     probes: tuple[int, int],
     check: int | None,
     calibrate_keeps: bool = False,
+    rates: MachineRates | None = None,
 ) -> Profile:
     """Profile the blocks at the probe sizes (and the check size) on slices of `batch`;
-    `calibrate_keeps` (op-level plans in `time`) also times what keeping op outputs saves."""
+    `calibrate_keeps` (op-level plans in `time`) also times what keeping op outputs saves;
+    `rates` measured by an earlier profile are reused (None: measured now)."""
     check = probe_sizes(batch, probes, check)
 
     def step_fn(b: Any) -> torch.Tensor:
         with muted_logging(pl_module), trainer.precision_plugin.train_step_context():
             return pl_module.training_step(b, batch_idx)
 
-    with profiling_context(trainer), eager_only():  # a compiled model is profiled as its original code
-        profile = profile_model(pl_module, blocks, step_fn, batch, probes, check, names=names, calibrate_keeps=calibrate_keeps)
-    profile = one_block_profile(profile, compiled_by(pl_module, blocks))  # compiled: one block per region
-    profile = with_recompute_gather(profile, blocks)  # sharded blocks: what their recompute gathers, and how fast
+    # optimizers, schedulers and counters held still; a manual step's backward is run by the profiler
+    with held_training(trainer, pl_module, blocks, names, step_fn) as step:
+        with profiling_context(trainer), eager_only():  # a compiled model is profiled as its original code
+            profile = profile_model(pl_module, blocks, step, batch, probes, check, names=names, calibrate_keeps=calibrate_keeps, rates=rates)
+        profile = one_block_profile(profile, compiled_by(pl_module, blocks))  # compiled: one block per region
+        profile = with_recompute_gather(profile, blocks)  # sharded blocks: what their recompute gathers, and how fast
     err = profile.check_error()
     if err > LINEAR_FIT_TOLERANCE:
         rank_zero_info(

@@ -60,11 +60,20 @@ def plan_for_target(profile: Profile, static: StaticMemory, request: PlanRequest
         if request.policy == "optimal" and request.max_levels == 1
         else ""
     )
-    hint = (
-        f"the largest batch that fits with the best plan is {largest}"
-        if largest
-        else "not even batch size 1 fits (parameters, gradients and optimizer state take most of it)"
-    )
+    if largest:
+        hint = f"the largest batch that fits with the best plan is {largest}"
+    else:
+        parts = [("parameters", static.param_bytes), ("buffers", static.buffer_bytes),
+                 ("gradients", static.grad_bytes), ("optimizer state", static.optimizer_state_bytes)]
+        static_bytes = sum(nbytes for _, nbytes in parts)
+        each = ", ".join(f"{what} {format_bytes(nbytes)}" for what, nbytes in parts if nbytes)
+        left = request.budget_bytes - static_bytes
+        hint = (
+            f"not even batch size 1 fits: parameters, gradients and optimizer state take {format_bytes(static_bytes)} "
+            f"of the {format_bytes(request.budget_bytes)} budget" + (f" ({each})" if each else "") + ", "
+            + (f"{format_bytes(-left)} over it before any activation" if left < 0
+               else f"which leaves {format_bytes(left)} for the activations of one sample")
+        )
     raise InfeasibleBudgetError(
         f"target_batch_size={target} with policy={request.policy!r}{levels} {got}, over the memory_budget of "
         f"{format_bytes(request.budget_bytes)} even at the plan's best; {hint}. "

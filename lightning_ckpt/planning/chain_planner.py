@@ -241,7 +241,7 @@ def _solve(
 
     # The ends reachable from each start, fixed by the budget alone.
     p_all = np.arange(n, dtype=i64)
-    room = budget - a.static - a.outside_grad
+    room = budget - a.static - a.least_bwd_grads
     # [expiry] for every start <= p: the segment may not cross a block that does not
     # chain, exceed max_len, or rebuild blocks p+1..b beyond the budget. These limits
     # only tighten as p decreases, so an option past them is gone for good.

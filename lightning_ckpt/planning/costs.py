@@ -187,6 +187,13 @@ class StepCost:
         loss); None when not measured, then `post_saved_bytes` stands in for it.
     grads_live_in_forward: parameter gradients of the previous step are still
         allocated during the forward (Lightning zeroes them after the forward).
+    grads_accumulate: the step is a micro-batch that accumulates into gradients earlier
+        micro-batches made (Lightning's `accumulate_grad_batches` > 1, or any loop that calls
+        backward several times per optimizer step): every parameter gradient is allocated
+        throughout its forward and its backward, not only those of blocks whose backward is
+        done. A new gradient autograd adds in place into an existing one is scratch of the
+        backward that makes it, which `bwd_transient_bytes` (profiled with no gradients
+        allocated, so each gradient is new there) already holds.
     optimizer_transient_bytes: scratch space of the optimizer step.
     meta: what explains the numbers: `step_fwd_flops`, and `rates` (a
         `MachineRates.to_dict()`) when the profile measured them.
@@ -201,6 +208,7 @@ class StepCost:
     post_saved_bytes: int = 0
     post_forward_bytes: int | None = None
     grads_live_in_forward: bool = True
+    grads_accumulate: bool = False
     optimizer_transient_bytes: int = 0
     meta: dict = field(default_factory=dict, compare=False, hash=False)
 
@@ -228,6 +236,7 @@ class StepCost:
             "post_saved_bytes": self.post_saved_bytes,
             "post_forward_bytes": self.post_forward_bytes,
             "grads_live_in_forward": self.grads_live_in_forward,
+            "grads_accumulate": self.grads_accumulate,
             "optimizer_transient_bytes": self.optimizer_transient_bytes,
             "blocks": [dataclasses.asdict(b) for b in self.blocks],
             "meta": dict(self.meta),

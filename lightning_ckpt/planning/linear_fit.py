@@ -177,3 +177,31 @@ class Profile:
         probes = tuple(StepCost.from_dict(p) for p in data["probes"])
         check = None if data.get("check") is None else StepCost.from_dict(data["check"])
         return cls(probes=probes, check=check)  # type: ignore[arg-type]
+
+
+def relative_miss(predicted: StepCost, measured: StepCost) -> float:
+    """Largest relative error of the predicted saved and boundary bytes of any block, and of the
+    bytes around the chain (before it, after it, the batch)."""
+    worst = 0.0
+    pairs = [(getattr(p, f), getattr(m, f)) for p, m in zip(predicted.blocks, measured.blocks) for f in ("saved_bytes", "input_bytes")]
+    pairs += [(getattr(predicted, f), getattr(measured, f)) for f in _STEP_LINEAR]
+    for p, m in pairs:
+        if m > 0:
+            worst = max(worst, abs(p - m) / m)
+    return worst
+
+
+REFIT_TOLERANCE = 0.01  # relative miss at the check slice above which the smallest slice is left out
+
+
+def refit_without_smallest(profile: Profile) -> Profile:
+    """The profile's lines through its two larger slices when the line through the two smaller ones
+    misses the check slice by more than `REFIT_TOLERANCE`: the smallest slice can run other code than
+    the batch does (an attention mask dropped when its one sample has no padding, a reshape that
+    copies only from two samples on), and the larger slices are more like the batch."""
+    if profile.check is None or relative_miss(profile.at(profile.check.batch_size), profile.check) <= REFIT_TOLERANCE:
+        return profile
+    small, large = profile.probes
+    if profile.check.batch_size <= large.batch_size:
+        return profile
+    return Profile(probes=(large, profile.check), check=None)

@@ -73,19 +73,30 @@ def base_bytes(cost: StepCost) -> int:
 
 
 def forward_grad_bytes(cost: StepCost) -> int:
-    """Last step's parameter gradients, when they are still allocated during the forward."""
-    return cost.grad_bytes if cost.grads_live_in_forward else 0
+    """The parameter gradients allocated during the forward: last step's, when they are
+    still allocated (`grads_live_in_forward`), or those earlier micro-batches accumulated
+    (`grads_accumulate`)."""
+    return cost.grad_bytes if cost.grads_live_in_forward or cost.grads_accumulate else 0
 
 
 def gradients_after(cost: StepCost) -> list[int]:
     """Per block, the parameter gradients that exist during its backward: those outside
-    the blocks (the head's backward runs first) and those of every later block."""
+    the blocks (the head's backward runs first) and those of every later block; all of
+    them when the step accumulates into gradients earlier micro-batches made."""
+    if cost.grads_accumulate:
+        return [cost.grad_bytes] * cost.n_blocks
     after = [0] * cost.n_blocks
     acc = cost.outside_grad_bytes
     for i in range(cost.n_blocks - 1, -1, -1):
         after[i] = acc
         acc += cost.blocks[i].grad_bytes
     return after
+
+
+def head_grad_bytes(cost: StepCost) -> int:
+    """The parameter gradients that exist during the head's backward: those outside the
+    blocks, or all of them when the step accumulates (`gradients_after`)."""
+    return cost.grad_bytes if cost.grads_accumulate else cost.outside_grad_bytes
 
 
 @dataclass(frozen=True)
@@ -109,8 +120,9 @@ def post_forward(cost: StepCost) -> int:
 def end_need(cost: StepCost) -> int:
     """[constraint] The end of the forward and the head's backward, on top of what the
     blocks leave resident: the forward with last step's gradients still allocated
-    (when they are), the head's backward with only the gradients outside the blocks."""
-    return base_bytes(cost) + max(post_forward(cost) + forward_grad_bytes(cost), cost.post_saved_bytes + cost.outside_grad_bytes)
+    (when they are), the head's backward with only the gradients outside the blocks
+    (all gradients when the step accumulates)."""
+    return base_bytes(cost) + max(post_forward(cost) + forward_grad_bytes(cost), cost.post_saved_bytes + head_grad_bytes(cost))
 
 
 def end_relief(cost: StepCost, last_kept: bool) -> int:
@@ -322,7 +334,7 @@ class ElementArrays:
     n: int
     static: int  # base_bytes
     fwd_grads: int  # forward_grad_bytes
-    outside_grad: int
+    least_bwd_grads: int  # the gradients alive during every block's backward (the least of G)
     end_need: int
     opt_need: int
     saved: np.ndarray
@@ -363,7 +375,7 @@ def element_arrays(cost: StepCost) -> ElementArrays:
         n=n,
         static=static,
         fwd_grads=fwd_grads,
-        outside_grad=cost.outside_grad_bytes,
+        least_bwd_grads=int(G.min()) if n else head_grad_bytes(cost),
         end_need=end_need(cost),
         opt_need=optimizer_need(cost),
         saved=saved,

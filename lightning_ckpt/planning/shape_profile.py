@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lightning_ckpt.planning.costs import BlockCost, OpCost, StepCost
-from lightning_ckpt.planning.linear_fit import _BLOCK_LINEAR, _SIGNED_TIMES, _STEP_LINEAR, Profile
+from lightning_ckpt.planning.linear_fit import _BLOCK_LINEAR, _SIGNED_TIMES, _STEP_LINEAR, Profile, relative_miss
 
 FIT_TOLERANCE = 0.01  # worst leave-one-out miss (share of the measured bytes) under which the fit is trusted
 MIN_FIT_LENGTHS = 4  # the leave-one-out check of a quadratic needs three lengths left in
@@ -87,18 +87,6 @@ def fit_costs(costs: Sequence[StepCost], lengths: Sequence[int], length: int) ->
     meta = dict(first.meta)
     meta["step_fwd_flops"] = max(0.0, _poly(xs, [c.meta.get("step_fwd_flops", 0) for c in costs], length))
     return dataclasses.replace(first, blocks=blocks, meta=meta, **fields)
-
-
-def relative_miss(predicted: StepCost, measured: StepCost) -> float:
-    """Largest relative error of the predicted saved and boundary bytes of any block, and of the
-    bytes around the chain (before it, after it, the batch)."""
-    worst = 0.0
-    pairs = [(getattr(p, f), getattr(m, f)) for p, m in zip(predicted.blocks, measured.blocks) for f in ("saved_bytes", "input_bytes")]
-    pairs += [(getattr(predicted, f), getattr(measured, f)) for f in _STEP_LINEAR]
-    for p, m in pairs:
-        if m > 0:
-            worst = max(worst, abs(p - m) / m)
-    return worst
 
 
 @dataclass(frozen=True)

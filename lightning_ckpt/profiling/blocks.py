@@ -5,7 +5,8 @@ of dotted paths and glob patterns (`["stem", "layer1.*", "head"]`, where `*` sta
 within one path component) naming a chain of modules of any classes, in call
 order; or None to pick the largest container whose children all share one class
 (ties: the one with more parameters). Unknown paths get an error that lists the
-candidates. Names leave out the `_orig_mod` of `torch.compile` wrappers (either form is accepted).
+candidates; so does a string that names one block (children of different classes)
+rather than their container. Names leave out the `_orig_mod` of `torch.compile` wrappers (either form is accepted).
 """
 
 from __future__ import annotations
@@ -26,6 +27,18 @@ def candidate_containers(model: nn.Module) -> list[tuple[str, int]]:
         if len({type(c) for c in children}) == 1:
             found.append((path, len(children)))
     return found
+
+
+def _uncompiled(module: nn.Module) -> nn.Module:
+    """A compiled module's original: the blocks of a compiled container are the original's children."""
+    while "_orig_mod" in module._modules:
+        module = module._modules["_orig_mod"]
+    return module
+
+
+def _is_container(module: nn.Module) -> bool:
+    """An nn.ModuleList / nn.Sequential, or a module whose children all share one class."""
+    return isinstance(module, (nn.ModuleList, nn.Sequential)) or len({type(c) for c in module.children()}) <= 1
 
 
 def _param_count(module: nn.Module) -> int:
@@ -95,7 +108,7 @@ def resolve_blocks(model: nn.Module, blocks: str | Sequence[str] | None) -> tupl
             raise ValueError(f"blocks={blocks!r} must be a dotted path such as 'encoder.layers' or None to auto-detect.")
         path = blocks.strip()
         try:
-            container = model.get_submodule(path)
+            container = _uncompiled(model.get_submodule(path))
         except AttributeError:
             raise ValueError(
                 f"blocks={blocks!r} is not a submodule of {type(model).__name__}; containers of repeated blocks "
@@ -106,9 +119,21 @@ def resolve_blocks(model: nn.Module, blocks: str | Sequence[str] | None) -> tupl
                 f"blocks={blocks!r} names a {type(container).__name__} without child modules; it must name the "
                 f"container that holds the blocks in call order. Candidates found: {listing}."
             )
-    container = model.get_submodule(path)  # a `torch.compile` wrapper passes attribute lookups on
-    while "_orig_mod" in container._modules:  # a compiled container: its blocks are the original's
-        container = container._modules["_orig_mod"]
+        if not _is_container(container):
+            classes = ", ".join(dict.fromkeys(type(c).__name__ for c in container.children()))
+            parent = path.rpartition(".")[0]
+            siblings = (
+                f"or blocks={parent!r} to plan over it and its siblings"
+                if parent and _is_container(_uncompiled(model.get_submodule(parent)))
+                else "or the path of the container of the blocks" + (f", one of {listing}" if candidates else "")
+            )
+            raise ValueError(
+                f"blocks={blocks!r} names one {type(container).__name__}, whose children are of different classes "
+                f"({classes}): a string names the container of the blocks (an nn.ModuleList, an nn.Sequential or "
+                f"a module whose children share one class), not a block. Write blocks=[{path!r}] (a one-element "
+                f"list) to checkpoint that module alone, {siblings}."
+            )
+    container = _uncompiled(model.get_submodule(path))  # a `torch.compile` wrapper passes attribute lookups on
     path = plain_name(path)
     names = [f"{path}.{n}" if path else n for n, _ in container.named_children()]
     return path, names, list(container.children())

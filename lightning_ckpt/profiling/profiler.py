@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ckpt.planning.costs import BlockCost, StepCost
-from lightning_ckpt.planning.linear_fit import Profile
+from lightning_ckpt.planning.linear_fit import Profile, refit_without_smallest
 from lightning_ckpt.planning.machine_rates import MachineRates
 from lightning_ckpt.profiling.batch import batch_size_of, first_tensor, slice_batch, tensors_in
 from lightning_ckpt.profiling.chain_check import receives_output, tensor_version
@@ -433,23 +433,6 @@ def profile_model(
         check = None if check is None else _with_rates(check, rates)
     return refit_without_smallest(Profile(probes=probes, check=check))  # type: ignore[arg-type]
 
-
-REFIT_TOLERANCE = 0.01  # relative miss at the check slice above which the smallest slice is left out
-
-
-def refit_without_smallest(profile: Profile) -> Profile:
-    """The profile's lines through its two larger slices when the line through the two smaller ones
-    misses the check slice by more than `REFIT_TOLERANCE`: the smallest slice can run other code than
-    the batch does (an attention mask dropped when its one sample has no padding, a reshape that
-    copies only from two samples on), and the larger slices are more like the batch."""
-    from lightning_ckpt.planning.shape_profile import relative_miss
-
-    if profile.check is None or relative_miss(profile.at(profile.check.batch_size), profile.check) <= REFIT_TOLERANCE:
-        return profile
-    small, large = profile.probes
-    if profile.check.batch_size <= large.batch_size:
-        return profile
-    return Profile(probes=(large, profile.check), check=None)
 
 
 def _with_rates(cost: StepCost, rates: MachineRates) -> StepCost:
