@@ -107,3 +107,28 @@ class StepPeaks(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._ctx.__exit__(None, None, None)
         self.peaks.append(self._reading.peak_bytes)
+
+
+def tiny_llama(layers: int = 4, hidden: int = 32, **kw):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256, attn_implementation="eager",
+        use_cache=False, **kw,
+    )
+    return LlamaForCausalLM(config)
+
+
+class CausalTokens(pl.LightningDataModule):
+    """Fixed-length token batches whose labels are the inputs (a causal LM computes the shift)."""
+
+    def __init__(self, batch_size: int = 4, n: int = 64, seq: int = 32, seed: int = 0) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(2, VOCAB, (n, seq), generator=g)
+
+    def train_dataloader(self) -> DataLoader:
+        rows = [{"input_ids": r, "labels": r} for r in self.ids]
+        return DataLoader(rows, batch_size=self.batch_size, shuffle=False)

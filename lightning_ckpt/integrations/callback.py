@@ -188,7 +188,8 @@ class ActivationCheckpointing(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        shape = shape_of(batch)
+        shapes = rank_shapes.gather(trainer, shape_of(batch))  # every rank's, so that all decide alike
+        shape = shapes[0] if len(set(shapes)) == 1 else largest_shape(shapes)
         if self._applied is not None and shape == self._shape:  # the shape of the step before: nothing to do
             self._start_measuring(trainer, pl_module, batch, batch_idx)
             return
@@ -196,7 +197,7 @@ class ActivationCheckpointing(Callback):
         if first:
             loader.check_first_batch(batch, self.batch_size, self.batch_arg_name, loader.train_dataset_len(trainer))
         self._fit_batches += 1
-        decision = self._plan_everywhere(trainer, batch, batch_idx)
+        decision = self._plan_everywhere(trainer, batch, batch_idx, shapes)
         self._switch_to(pl_module, decision, shape)
         if first:
             if self.verbose or not self.plan.segments:
@@ -284,11 +285,13 @@ class ActivationCheckpointing(Callback):
         self.plan, self._shape = plan, shape
         self.cost = self._costs.get(shape, self.cost)
 
-    def _plan_everywhere(self, trainer: pl.Trainer, batch: Any, batch_idx: int) -> ShapeDecision:
+    def _plan_everywhere(
+        self, trainer: pl.Trainer, batch: Any, batch_idx: int, shapes: list[BatchShape] | None = None
+    ) -> ShapeDecision:
         """The plan for `batch`'s shape: cached, resumed from a checkpoint, or profiled and planned on
         rank 0 (every rank profiles); rank 0's on every rank."""
         shape = shape_of(batch)
-        shapes = rank_shapes.gather(trainer, shape)
+        shapes = [shape] if shapes is None else shapes
         if len(set(shapes)) > 1:  # the ranks' batches differ: every rank runs the plan of the largest
             return self._plan_largest(trainer, batch, shape, shapes, batch_idx)
         hit = self._shapes.cached(shape)
