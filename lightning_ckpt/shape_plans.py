@@ -74,7 +74,7 @@ class ShapeFamily:
     def shape_profile(self, own_only: bool = False) -> ShapeProfile | None:
         """The profiles (real batches only, with `own_only`) as a function of the one varying length;
         None when the varying sizes are not one length (or nothing varies)."""
-        key = (own_only, tuple(self.profiles), tuple(self.seen))
+        key = (own_only, tuple(self.profiles), self.positions())  # a shape seen again changes neither
         if key not in self._fitted:
             self._fitted = {key: self._shape_profile(own_only)}
         return self._fitted[key]
