@@ -1,34 +1,32 @@
 """Variable batch shapes: a plan per shape against one plan for the longest shape, measured side by side.
 
-    OMP_NUM_THREADS=1 python benchmarks/shapes.py           # BERT, 12 layers, batch 16, 48 batches
-    OMP_NUM_THREADS=1 python benchmarks/shapes.py --quick   # 4 small layers, batch 8, 12 batches
+    OMP_NUM_THREADS=1 python benchmarks/shapes.py           # BERT, 12 layers, batch 16, 48 batches (~7 min)
+    OMP_NUM_THREADS=1 python benchmarks/shapes.py --quick   # 4 small layers, batch 8, 12 batches (~40 s)
 
-HF BERT (`BertForSequenceClassification` built from config: 12 layers, hidden 64, dropout 0.1,
-AdamW) trains on batches padded per batch by `DataCollatorWithPadding`, so each batch has its
-own length (a seeded list drawn from 32..128, the first batch at 32). The budget is half way
-between the `none` and `full` predicted peaks at the longest length (the callback's own
-prediction at that length), so the long batches need checkpointing and the short ones none.
-Every run is a fresh model from the same seed on the same batches:
+HF BERT (`BertForSequenceClassification` from config: 12 layers, hidden 64, dropout 0.1, AdamW)
+trains on batches padded per batch by `DataCollatorWithPadding`, each batch at its own length (a
+seeded list drawn from 32..128, the first at 32). The budget is half way between the `none` and
+`full` peaks the callback predicts at the longest length. Every run is a fresh model from the same
+seed on the same batches: `per-shape` (`ActivationCheckpointing`, planning each batch shape),
+`longest-plan` (the callback's plan made on data of the longest length only, applied by hand with
+`apply_plan` to every step, no callback) and `none` (no checkpointing; over the budget on the long
+batches, which is reported, not an error). Every callback runs with `tune_allocator=False`, so all
+runs use glibc's default malloc and the plans alone are compared.
 
-1. `per-shape`: `ActivationCheckpointing` at that budget, planning each batch shape;
-2. `longest-plan`: the callback's plan at the longest length (made on data of only that
-   length), applied by hand with `apply_plan` to every step, no callback;
-3. `none`: no checkpointing (over the budget on the long batches; reported, not an error).
+A step is timed by a callback placed after `ActivationCheckpointing`, from its batch start to its
+batch end: what the callback does in its own `on_train_batch_start` (profiling, planning,
+switching) is outside the step and reported apart. The first `SKIP` steps are left out. Timing is
+interleaved step by step: in each round the runs are fits in threads that take turns one training
+step at a time (`Lockstep`; never two at once), `none` twice as separate entries. A ratio is the
+median over rounds of the ratio of two runs' median steps in one round; part 1 also gives it for
+the sums of the timed steps, part 2 as the median of step-by-step ratios (step i of one run over
+step i of the other, run one after the other on batches of one shape). The noise is the spread of
+the two `none` entries. Peaks come from a separate, untimed run of each configuration with
+`StepPeaks` (the live-storage tracker over the whole step, which slows steps).
 
-`tune_allocator=False` in every callback, so all runs use glibc's default malloc and the
-comparison is of the plans alone. A step is timed by a callback placed after
-`ActivationCheckpointing`, from its `on_train_batch_start` to its `on_train_batch_end`: the
-profiling and planning the callback does in its own `on_train_batch_start` fall outside the
-step time and are reported separately. The first `SKIP` steps of a run are left out. Runs are
-interleaved: each round runs every configuration once (rotated order), `none` twice as separate
-entries, and a ratio is the median over rounds of a run's median step over the same round's
-`none`; the noise is max / min of all `none` medians. Peaks come from a second, untimed run of
-each configuration with `StepPeaks` (the live-storage tracker over the whole step, which slows
-steps).
-
-The reverse order check trains long batches first, then short ones, and times the short
-batches under per-shape planning, under the short length's own plan applied by hand (made at
-that length only) and under the longest plan.
+The reverse order check trains long batches first, then short ones, and times the short batches
+under per-shape planning, under the short length's own plan (made at that length only, applied by
+hand) and under the longest plan.
 """
 
 from __future__ import annotations
@@ -75,9 +73,10 @@ class Setup:
     shortest: int
     longest: int
     rounds: int
-    reverse_long: int  # long batches at the start of the reverse order check
-    reverse_short: int  # short batches after them
-    reverse_skip: int  # short batches left out (the first after the long ones)
+    reverse_long: int  # long batches, then `reverse_short` short ones, in the reverse order check,
+    reverse_short: int  # where the first `reverse_skip` short steps are not timed, in `reverse_rounds`
+    reverse_skip: int
+    reverse_rounds: int
     switches: int  # plan switches timed
 
     def lengths(self, seed: int = 0) -> list[int]:
@@ -87,9 +86,9 @@ class Setup:
 
 
 FULL = Setup(layers=12, hidden=64, batch=16, n_batches=48, shortest=32, longest=128, rounds=3,
-             reverse_long=4, reverse_short=12, reverse_skip=2, switches=200)
+             reverse_long=4, reverse_short=26, reverse_skip=2, reverse_rounds=4, switches=200)
 QUICK = Setup(layers=4, hidden=32, batch=8, n_batches=12, shortest=16, longest=64, rounds=2,
-              reverse_long=3, reverse_short=6, reverse_skip=1, switches=50)
+              reverse_long=3, reverse_short=6, reverse_skip=1, reverse_rounds=2, switches=50)
 
 
 class StepTimes(pl.Callback):
@@ -100,7 +99,6 @@ class StepTimes(pl.Callback):
         self.wall: list[float] = []
         self.cpu: list[float] = []
         self.before: list[float] = []  # wall seconds from `mark`'s batch start to this one's
-        self.lengths: list[int] = []
         self._t0 = (0.0, 0.0)
         self._marked = None
 
@@ -114,7 +112,6 @@ class StepTimes(pl.Callback):
         return Mark()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.lengths.append(int(batch["input_ids"].shape[1]))
         self._t0 = (time.perf_counter(), time.process_time())
         if self._marked is not None:
             self.before.append(self._t0[0] - self._marked)
@@ -247,7 +244,7 @@ def lockstep(runs: dict) -> dict[str, StepTimes]:
 def rounds_of(runs: dict, rounds: int, keep) -> dict[str, dict[str, list]]:
     """`rounds` lockstep rounds of all runs (the order of turns rotated each round); -> {name:
     {'wall': [...], 'cpu': [...], 'timers': [...]}}, per-round medians over the steps `keep` selects."""
-    out = {name: {"wall": [], "cpu": [], "timers": []} for name in runs}
+    out = {name: {"wall": [], "cpu": [], "timers": [], "keep": keep} for name in runs}
     names = list(runs)
     for r in range(rounds):
         k = r % len(names)
@@ -262,6 +259,29 @@ def rounds_of(runs: dict, rounds: int, keep) -> dict[str, dict[str, list]]:
 def ratio(got: dict, ref: dict, clock: str) -> float:
     """Median over rounds of a run's median over the same round's reference median."""
     return statistics.median(a / b for a, b in zip(got[clock], ref[clock]))
+
+
+def paired(got: dict, ref: dict) -> float:
+    """Median over every timed step of every round of the step's time over the same step's in the
+    reference run: in lockstep the two ran one after the other, on a batch of the same shape."""
+    keep = got["keep"]
+    return statistics.median(
+        a / b
+        for tg, tr in zip(got["timers"], ref["timers"])
+        for i, (a, b) in enumerate(zip(tg.wall, tr.wall))
+        if keep(i)
+    )
+
+
+def total(got: dict, ref: dict) -> float:
+    """Median over rounds of the ratio of the two runs' summed timed steps in one round."""
+    keep = got["keep"]
+    sums = [[sum(w for i, w in enumerate(tm.wall) if keep(i)) for tm in r["timers"]] for r in (got, ref)]
+    return statistics.median(a / b for a, b in zip(*sums))
+
+
+def by_round(got: dict, ref: dict) -> str:
+    return ", ".join(f"{a / b:.3f}" for a, b in zip(got["wall"], ref["wall"]))
 
 
 def switch_cost(s: Setup, a: Plan, b: Plan, n: int) -> list[float]:
@@ -286,14 +306,169 @@ def describe_plan(plan: Plan) -> str:
     return f"{len(plan.checkpointed)}/{plan.n_blocks} blocks in {len(plan.segments)} segment(s)"
 
 
+def noise_line(label: str, a: dict, b: dict) -> str:
+    """The spread of two copies of one run: all their medians, and the ratio within each round."""
+    medians = a["wall"] + b["wall"]
+    cpu = a["cpu"] + b["cpu"]
+    return (f"noise: {label} timed as 2 entries per round, medians {', '.join(f'{1e3 * m:.1f}' for m in medians)} ms "
+            f"-> max/min {max(medians) / min(medians):.3f} (cpu clock {max(cpu) / min(cpu):.3f}); within a round, "
+            f"{label} / {label} (2nd) {by_round(a, b)}")
+
+
+def length_of(shape) -> int:
+    return shape.shapes[0][1]  # input_ids: [batch, length]
+
+
+def variable_lengths(s: Setup, lengths: list[int], budget: int, longest_plan: Plan) -> str:
+    """Part 1: the seeded lengths under per-shape planning, the longest plan and no checkpointing."""
+    shape_cbs: list[ActivationCheckpointing] = []
+
+    def per_shape(first) -> StepTimes:
+        shape_cbs.append(callback(s, budget))
+        return fit(s, lengths, [shape_cbs[-1]], first=first)[0]
+
+    runs = {
+        "per-shape": per_shape,
+        "longest-plan": lambda first: fit(s, lengths, plan=longest_plan, first=first)[0],
+        "none": lambda first: fit(s, lengths, first=first)[0],
+        "none (2nd)": lambda first: fit(s, lengths, first=first)[0],
+    }
+    t0 = time.perf_counter()
+    timed = rounds_of(runs, s.rounds, keep=lambda i: i >= SKIP)
+    t_timing = time.perf_counter() - t0
+
+    cb = shape_cbs[0]
+    spent = [(c._shapes.profile_s, c._shapes.plan_s) for c in shape_cbs]  # per round, before any reuse
+    decisions = list(cb._shapes.plans.values())
+    first_plans = dict(cb.plans)
+    # per-shape's peak run reuses the last round's callback (a second fit on the same model keeps
+    # its profiles and plans again); checked below to give the first round's plans
+    reused = shape_cbs[-1] if len(shape_cbs) > 1 else callback(s, budget)
+    t0 = time.perf_counter()
+    peak_runs = {
+        "per-shape": fit(s, lengths, [reused], peaks=True)[1],
+        "longest-plan": fit(s, lengths, plan=longest_plan, peaks=True)[1],
+        "none": fit(s, lengths, peaks=True)[1],
+    }
+    t_peaks = time.perf_counter() - t0
+
+    ref = timed["none"]
+    hook_s = [sum(timer.before) for timer in timed["per-shape"]["timers"]]  # the callback's batch-start hooks
+    print()
+    print(f"1. {len(lengths)} batches of varying length, {s.rounds} interleaved rounds, steps {SKIP + 1}..{len(lengths)} "
+          f"timed ({len(lengths) - SKIP} per run), budget {format_bytes(budget)}")
+    print()
+    print("| run | median step ms | x none | x none (all timed steps) | s outside steps | steps over budget | worst peak / budget |")
+    print("|---|---|---|---|---|---|---|")
+    for name in ("per-shape", "longest-plan", "none"):
+        peaks = peak_runs[name].peaks
+        outside = f"{statistics.median(hook_s):.1f}" if name == "per-shape" else "-"
+        print(f"| {name} | {1e3 * statistics.median(timed[name]['wall']):.1f} | {ratio(timed[name], ref, 'wall'):.3f} | "
+              f"{total(timed[name], ref):.3f} | {outside} | {sum(p > budget for p in peaks)}/{len(peaks)} | "
+              f"{max(peaks) / budget:.3f} |")
+    print()
+    print(noise_line("none", ref, timed["none (2nd)"]))
+    print(f"by round (wall): per-shape / none {by_round(timed['per-shape'], ref)}; longest-plan / none "
+          f"{by_round(timed['longest-plan'], ref)}; per-shape / longest-plan "
+          f"{by_round(timed['per-shape'], timed['longest-plan'])}")
+    print("median step ms: median over rounds of each run's median step (wall clock); x none: median over rounds of "
+          "the ratio of medians within a round; all timed steps: the same for the sums of the timed steps")
+    print("s outside steps: wall seconds in ActivationCheckpointing.on_train_batch_start over the whole run "
+          "(profiling, cost lookups and fit checks, planning, switching), median over rounds")
+
+    profiled = [d for d in decisions if d.source == "profiled"]
+    sources = Counter(d.source.split(" ")[0] for d in decisions)
+    plan_ms = [1e3 * d.plan_s for d in decisions]
+    by_length = {length_of(d.shape): d.plan for d in decisions}
+    steps_plans = [by_length[n] for n in lengths]
+    switches = sum(not same_regions(a, b) for a, b in zip(steps_plans, steps_plans[1:]))
+    distinct = {(p.segments, p.inner_segments) for p in by_length.values()}
+    same_plans = set(reused.plans) == set(first_plans) and all(
+        same_regions(reused.plans[sh], p) for sh, p in first_plans.items()
+    )
+    print()
+    print(f"per-shape (first round's callback): {len(decisions)} distinct shapes, {len(distinct)} distinct plans "
+          f"({sum(not p.segments for p in by_length.values())} shapes with nothing checkpointed), "
+          f"{switches} plan switches over {len(lengths)} steps, all predicted to fit: "
+          f"{all(p.fits for p in by_length.values())}")
+    print(f"  cost of each shape from: {', '.join(f'{k} {v}' for k, v in sorted(sources.items()))}")
+    print(f"  profiling: {cb.profiled_steps} real batches profiled (lengths "
+          f"{', '.join(str(length_of(d.shape)) for d in profiled)}), {cb.profile_runs} profiles with prefixes, "
+          f"{cb._shapes.profile_s:.1f} s in all; per profiled shape median "
+          f"{statistics.median(d.profile_s for d in profiled):.2f} s, max {max(d.profile_s for d in profiled):.2f} s; "
+          f"per distinct shape {cb._shapes.profile_s / len(decisions):.2f} s")
+    if cb._shapes.slice_error:
+        print(f"  prefixes dropped: {cb._shapes.slice_error}")
+    print(f"  planning: {len(decisions)} new shapes, median {statistics.median(plan_ms):.1f} ms, max {max(plan_ms):.1f} ms, "
+          f"{cb._shapes.plan_s:.1f} s in all")
+    for r, ((prof, plan_s), h) in enumerate(zip(spent, hook_s)):
+        print(f"  round {r + 1}: {h:.1f} s outside steps = profiling {prof:.1f} s + planning {plan_s:.1f} s + "
+              f"the rest {h - prof - plan_s:.1f} s (cost lookups with their fit checks, switches)")
+    for family in cb._shapes.families.values():
+        fitted = family.shape_profile(own_only=True)
+        err = None if fitted is None else fitted.fit_error(s.batch)
+        if err is not None:
+            print(f"  quadratic over the {len(fitted.lengths)} real batches' profiles: worst leave-one-out miss "
+                  f"{100 * err:.1f} % (the fit stands in for a profile only within {100 * FIT_TOLERANCE:.0f} %)")
+    print(f"  the peak run reused the last round's callback (profiles kept, planned again): same plans as round 1 "
+          f"for every shape: {same_plans}")
+    a = longest_plan
+    b = next((p for p in by_length.values() if p.segments and not same_regions(p, a)), None)
+    b = b if b is not None else next(p for p in by_length.values() if not same_regions(p, a))
+    sw = switch_cost(s, a, b, s.switches)
+    p95 = sorted(sw)[int(0.95 * (len(sw) - 1))]
+    print(f"  plan switch (AppliedPlan.remove() + apply_plan, {describe_plan(a)} <-> {describe_plan(b)}): median "
+          f"{1e6 * statistics.median(sw):.0f} us, 95th percentile {1e6 * p95:.0f} us, max {1e6 * max(sw):.0f} us "
+          f"over {len(sw)} switches")
+    return f"timing runs {t_timing:.0f} s, peak runs {t_peaks:.0f} s"
+
+
+def long_first(s: Setup, longest: int, budget: int, longest_plan: Plan) -> None:
+    """Part 2: long batches, then short ones: per-shape planning against the short length's own plan."""
+    rev = [longest] * s.reverse_long + [s.shortest] * s.reverse_short
+    first_timed = s.reverse_long + s.reverse_skip
+    short_plan = plan_at(s, s.shortest, budget)
+    rev_cbs: list[ActivationCheckpointing] = []
+
+    def per_shape(first) -> StepTimes:
+        rev_cbs.append(callback(s, budget))
+        return fit(s, rev, [rev_cbs[-1]], first=first)[0]
+
+    runs = {
+        "per-shape": per_shape,
+        "short-own": lambda first: fit(s, rev, plan=short_plan, first=first)[0],
+        "longest-plan": lambda first: fit(s, rev, plan=longest_plan, first=first)[0],
+        "short-own (2nd)": lambda first: fit(s, rev, plan=short_plan, first=first)[0],
+    }
+    timed = rounds_of(runs, s.reverse_rounds, keep=lambda i: i >= first_timed)
+    at_short = next(d for d in rev_cbs[0]._shapes.plans.values() if length_of(d.shape) == s.shortest)
+    print()
+    print(f"2. reverse order: {s.reverse_long} batches at {longest}, then {s.reverse_short} at {s.shortest}; short steps "
+          f"{first_timed + 1}..{len(rev)} timed, {s.reverse_rounds} interleaved rounds")
+    print(f"   short-own: the plan made at length {s.shortest} only ({describe_plan(short_plan)}); per-shape's plan at "
+          f"{s.shortest}: {describe_plan(at_short.plan)}, same regions as short-own: "
+          f"{same_regions(at_short.plan, short_plan)}; its cost at {s.shortest}: {at_short.source}")
+    print()
+    print("| run | median short step ms | per-shape / run | per-shape / run (paired steps) |")
+    print("|---|---|---|---|")
+    for name in ("per-shape", "short-own", "longest-plan"):
+        print(f"| {name} | {1e3 * statistics.median(timed[name]['wall']):.1f} | "
+              f"{ratio(timed['per-shape'], timed[name], 'wall'):.3f} | "
+              f"{paired(timed['per-shape'], timed[name]):.3f} |")
+    print()
+    print(f"by round (wall): per-shape / short-own {by_round(timed['per-shape'], timed['short-own'])}; "
+          f"per-shape / longest-plan {by_round(timed['per-shape'], timed['longest-plan'])}")
+    print(noise_line("short-own", timed["short-own"], timed["short-own (2nd)"]))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="4 small layers, batch 8, 12 batches: a smoke run")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds of timing (default 3, quick 2)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds of timing in both parts (default 3 and 4, quick 2)")
     args = parser.parse_args(argv)
     s = QUICK if args.quick else FULL
     if args.rounds:
-        s = dataclasses.replace(s, rounds=args.rounds)
+        s = dataclasses.replace(s, rounds=args.rounds, reverse_rounds=args.rounds)
     if "OMP_NUM_THREADS" not in os.environ:
         print("note: OMP_NUM_THREADS is not set; using torch.set_num_threads(1)", file=sys.stderr)
     torch.set_num_threads(1)
@@ -326,152 +501,10 @@ def main(argv=None) -> None:
     longest_plan = plan_at(s, longest, budget)
     print(f"longest-plan (made at length {longest}): {describe_plan(longest_plan)}, "
           f"predicted {format_bytes(longest_plan.predicted_peak_bytes)}")
-
-    # ---------------------------------------------------------------- 1. the variable-length run
-    shape_cbs: list[ActivationCheckpointing] = []
-
-    def per_shape(first) -> StepTimes:
-        cb = callback(s, budget)
-        shape_cbs.append(cb)
-        return fit(s, lengths, [cb], first=first)[0]
-
-    runs = {
-        "per-shape": per_shape,
-        "longest-plan": lambda first: fit(s, lengths, plan=longest_plan, first=first)[0],
-        "none": lambda first: fit(s, lengths, first=first)[0],
-        "none (2nd)": lambda first: fit(s, lengths, first=first)[0],
-    }
-    t_timing = time.perf_counter()
-    timed = rounds_of(runs, s.rounds, keep=lambda i: i >= SKIP)
-    t_timing = time.perf_counter() - t_timing
-
-    spent = [(c._shapes.profile_s, c._shapes.plan_s) for c in shape_cbs]  # per round, before any reuse
-    first_plans = dict(shape_cbs[0].plans)
-    first_decisions = list(shape_cbs[0]._shapes.plans.values())
-    # the peak run of per-shape reuses the last round's callback (a second fit on the same model
-    # reuses its profiles and plans again): checked below to give the first round's plans
-    reused = shape_cbs[-1] if len(shape_cbs) > 1 else callback(s, budget)
-    t_peaks = time.perf_counter()
-    peak_runs = {
-        "per-shape": fit(s, lengths, [reused], peaks=True)[1],
-        "longest-plan": fit(s, lengths, plan=longest_plan, peaks=True)[1],
-        "none": fit(s, lengths, peaks=True)[1],
-    }
-    t_peaks = time.perf_counter() - t_peaks
-
-    ref = timed["none"]
-    none_medians = ref["wall"] + timed["none (2nd)"]["wall"]
-    none_cpu = ref["cpu"] + timed["none (2nd)"]["cpu"]
-    hook_s = [sum(timer.before) for timer in timed["per-shape"]["timers"]]  # the callback's batch-start hooks, per round
+    part1 = variable_lengths(s, lengths, budget, longest_plan)
+    long_first(s, longest, budget, longest_plan)
     print()
-    print(f"1. {len(lengths)} batches of varying length, {s.rounds} interleaved rounds, steps {SKIP + 1}..{len(lengths)} "
-          f"timed ({len(lengths) - SKIP} per run), budget {format_bytes(budget)}")
-    print()
-    print("| run | median step ms | x none (wall) | x none (cpu) | s outside steps | steps over budget | worst peak / budget |")
-    print("|---|---|---|---|---|---|---|")
-    for name in ("per-shape", "longest-plan", "none"):
-        tracker = peak_runs[name]
-        over = sum(p > budget for p in tracker.peaks)
-        worst = max(tracker.peaks) / budget
-        outside = f"{statistics.median(hook_s):.1f}" if name == "per-shape" else "-"
-        print(f"| {name} | {1e3 * statistics.median(timed[name]['wall']):.1f} | {ratio(timed[name], ref, 'wall'):.3f} | "
-              f"{ratio(timed[name], ref, 'cpu'):.3f} | {outside} | {over}/{len(tracker.peaks)} | {worst:.3f} |")
-    print()
-    pair = [a / b for a, b in zip(ref["wall"], timed["none (2nd)"]["wall"])]
-    print(f"noise: `none` timed as 2 entries per round, medians "
-          f"{', '.join(f'{1e3 * m:.1f}' for m in none_medians)} ms -> max/min {max(none_medians) / min(none_medians):.3f} "
-          f"(cpu clock {max(none_cpu) / min(none_cpu):.3f}); within a round, none / none (2nd) "
-          f"{', '.join(f'{x:.3f}' for x in pair)}")
-    print("s outside steps: wall seconds in ActivationCheckpointing.on_train_batch_start over the whole run "
-          "(profiling, cost lookups and fit checks, planning, switching), median over rounds")
-
-    cb = shape_cbs[0]
-    decisions = first_decisions
-    same_plans = set(reused.plans) == set(first_plans) and all(
-        same_regions(reused.plans[sh], p) for sh, p in first_plans.items()
-    )
-    profiled = [d for d in decisions if d.source == "profiled"]
-    sources = Counter(d.source.split(" ")[0] for d in decisions)
-    plan_ms = [1e3 * d.plan_s for d in decisions]
-    by_length = {d.shape.shapes[0][1]: d.plan for d in decisions}
-    steps_plans = [by_length[n] for n in lengths]
-    switches = sum(not same_regions(a, b) for a, b in zip(steps_plans, steps_plans[1:]))
-    distinct = {(p.segments, p.inner_segments) for p in by_length.values()}
-    print()
-    print(f"per-shape (first round's callback): {len(cb.plans)} distinct shapes, {len(distinct)} distinct plans "
-          f"({sum(not p.segments for p in by_length.values())} shapes with nothing checkpointed), "
-          f"{switches} plan switches over {len(lengths)} steps, all predicted to fit: "
-          f"{all(p.fits for p in by_length.values())}")
-    print(f"  cost of each shape from: {', '.join(f'{k} {v}' for k, v in sorted(sources.items()))}")
-    print(f"  profiling: {cb.profiled_steps} real batches profiled (lengths "
-          f"{', '.join(str(d.shape.shapes[0][1]) for d in profiled)}), {cb.profile_runs} profiles with prefixes, "
-          f"{cb._shapes.profile_s:.1f} s in all; per profiled shape median "
-          f"{statistics.median(d.profile_s for d in profiled):.2f} s, max {max(d.profile_s for d in profiled):.2f} s; "
-          f"per distinct shape {cb._shapes.profile_s / len(decisions):.2f} s")
-    if cb._shapes.slice_error:
-        print(f"  prefixes dropped: {cb._shapes.slice_error}")
-    print(f"  planning: {len(decisions)} new shapes, median {statistics.median(plan_ms):.1f} ms, max {max(plan_ms):.1f} ms, "
-          f"{cb._shapes.plan_s:.1f} s in all")
-    for r, ((prof, plan_s), h) in enumerate(zip(spent, hook_s)):
-        print(f"  round {r + 1}: {h:.1f} s outside steps = profiling {prof:.1f} s + planning {plan_s:.1f} s + "
-              f"the rest {h - prof - plan_s:.1f} s (cost lookups with their fit checks, switches)")
-    for family in cb._shapes.families.values():
-        fitted = family.shape_profile(own_only=True)
-        err = None if fitted is None else fitted.fit_error(s.batch)
-        if err is not None:
-            print(f"  quadratic over the {len(fitted.lengths)} real batches' profiles: worst leave-one-out miss "
-                  f"{100 * err:.1f} % (the fit stands in for a profile only within {100 * FIT_TOLERANCE:.0f} %)")
-    print(f"  the peak run reused the last round's callback (profiles kept, planned again): same plans as round 1 "
-          f"for every shape: {same_plans}")
-    a = longest_plan
-    b = next((p for p in by_length.values() if p.segments and not same_regions(p, a)), None)
-    b = b if b is not None else next(p for p in by_length.values() if not same_regions(p, a))
-    sw = switch_cost(s, a, b, s.switches)
-    print(f"  plan switch (AppliedPlan.remove() + apply_plan, {describe_plan(a)} <-> {describe_plan(b)}): "
-          f"median {1e6 * statistics.median(sw):.0f} us, max {1e6 * max(sw):.0f} us over {len(sw)} switches")
-
-    # ---------------------------------------------------------------- 2. long batches first
-    rev = [longest] * s.reverse_long + [s.shortest] * s.reverse_short
-    first_timed = s.reverse_long + s.reverse_skip
-    short_plan = plan_at(s, s.shortest, budget)
-    rev_cbs: list[ActivationCheckpointing] = []
-
-    def rev_per_shape(first) -> StepTimes:
-        cb = callback(s, budget)
-        rev_cbs.append(cb)
-        return fit(s, rev, [cb], first=first)[0]
-
-    rev_runs = {
-        "per-shape": rev_per_shape,
-        "short-own": lambda first: fit(s, rev, plan=short_plan, first=first)[0],
-        "longest-plan": lambda first: fit(s, rev, plan=longest_plan, first=first)[0],
-        "short-own (2nd)": lambda first: fit(s, rev, plan=short_plan, first=first)[0],
-    }
-    rev_timed = rounds_of(rev_runs, s.rounds, keep=lambda i: i >= first_timed)
-    own = rev_timed["short-own"]
-    own_medians = own["wall"] + rev_timed["short-own (2nd)"]["wall"]
-    rcb = rev_cbs[0]
-    rev_short = next(p for sh, p in rcb.plans.items() if sh.shapes[0][1] == s.shortest)
-    print()
-    print(f"2. reverse order: {s.reverse_long} batches at {longest}, then {s.reverse_short} at {s.shortest}; short steps "
-          f"{first_timed + 1}..{len(rev)} timed, {s.rounds} interleaved rounds")
-    print(f"   short-own: the plan made at length {s.shortest} only ({describe_plan(short_plan)}); per-shape's plan at "
-          f"{s.shortest}: {describe_plan(rev_short)}, same regions as short-own: {same_regions(rev_short, short_plan)}; "
-          f"its cost at {s.shortest}: {next(d.source for d in rcb._shapes.plans.values() if d.shape.shapes[0][1] == s.shortest)}")
-    print()
-    print("| run | median short step ms | per-shape / run (wall) | per-shape / run (cpu) |")
-    print("|---|---|---|---|")
-    for name in ("per-shape", "short-own", "longest-plan"):
-        print(f"| {name} | {1e3 * statistics.median(rev_timed[name]['wall']):.1f} | "
-              f"{ratio(rev_timed['per-shape'], rev_timed[name], 'wall'):.3f} | "
-              f"{ratio(rev_timed['per-shape'], rev_timed[name], 'cpu'):.3f} |")
-    print()
-    pair = [a / b for a, b in zip(own["wall"], rev_timed["short-own (2nd)"]["wall"])]
-    print(f"noise: short-own timed as 2 entries per round, medians {', '.join(f'{1e3 * m:.1f}' for m in own_medians)} ms "
-          f"-> max/min {max(own_medians) / min(own_medians):.3f}; within a round, short-own / short-own (2nd) "
-          f"{', '.join(f'{x:.3f}' for x in pair)}")
-    print()
-    print(f"time: timing runs {t_timing:.0f} s, peak runs {t_peaks:.0f} s, all {time.perf_counter() - started:.0f} s")
+    print(f"time: {part1}, all {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":

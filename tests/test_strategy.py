@@ -564,7 +564,7 @@ def _zero_run(stage: int, precision: str, cb_first: bool) -> dict:
         "held": held.held,
         "held_ckpt": held_ckpt.held,
         "predicted_held": held.predicted,
-        "block_saved_bytes": cb.profile.probes[1].blocks[1].saved_bytes,
+        "block_saved_bytes": cb.profile.at(2).blocks[1].saved_bytes,  # the line at 2 (the probes may be 2 and 4)
     }
     if probe is not None and hasattr(probe, "predicted"):
         out["activation"] = {"measured": probe.measured, "predicted": probe.predicted}
