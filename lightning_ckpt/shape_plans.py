@@ -21,6 +21,8 @@ over shapes and profiles, the same under every front end. Nothing here runs a st
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,7 +31,7 @@ from typing import Any
 from lightning_ckpt.planning.costs import StepCost
 from lightning_ckpt.planning.linear_fit import Profile
 from lightning_ckpt.planning.plan import Plan, format_bytes
-from lightning_ckpt.planning.shape_profile import FIT_TOLERANCE, ShapeProfile
+from lightning_ckpt.planning.shape_profile import FIT_TOLERANCE, ShapeProfile, checked_bytes
 from lightning_ckpt.profiling.shapes import (
     BatchShape,
     length_of,
@@ -61,7 +63,7 @@ class ShapeFamily:
 
     seen: dict[SampleKey, BatchShape] = field(default_factory=dict)
     profiles: dict[SampleKey, tuple[BatchShape, Profile, bool]] = field(default_factory=dict)
-    _fitted: dict = field(default_factory=dict, repr=False)  # (own only, what it was built from) -> ShapeProfile
+    _fitted: dict = field(default_factory=dict, repr=False)  # own only -> (what it was built from, ShapeProfile)
 
     def positions(self) -> tuple[tuple[int, int], ...]:
         shapes = list(self.seen.values()) + [s for s, _, _ in self.profiles.values()]
@@ -74,10 +76,11 @@ class ShapeFamily:
     def shape_profile(self, own_only: bool = False) -> ShapeProfile | None:
         """The profiles (real batches only, with `own_only`) as a function of the one varying length;
         None when the varying sizes are not one length (or nothing varies)."""
-        key = (own_only, tuple(self.profiles), self.positions())  # a shape seen again changes neither
-        if key not in self._fitted:
-            self._fitted = {key: self._shape_profile(own_only)}
-        return self._fitted[key]
+        key = (tuple(self.profiles), self.positions())  # a shape seen again changes neither
+        cached = self._fitted.get(own_only)
+        if cached is None or cached[0] != key:
+            self._fitted[own_only] = cached = (key, self._shape_profile(own_only))
+        return cached[1]
 
     def _shape_profile(self, own_only: bool) -> ShapeProfile | None:
         positions = self.positions()
@@ -104,7 +107,9 @@ class ShapeFamily:
                 fitted = self.shape_profile(own_only)
                 if fitted is not None and fitted.covers(x, shape.batch_size):
                     lengths = ", ".join(map(str, fitted.lengths))
-                    return (lambda b, fitted=fitted, **kw: fitted.at(b, x, **kw)), f"fitted over lengths {lengths}"
+                    err = fitted.fit_error(shape.batch_size) or 0.0
+                    source = f"fitted over lengths {lengths} (checked within {100 * err:.2f} %, held in reserve)"
+                    return functools.partial(_with_reserve, fitted, x, err), source
         own_shapes = [s for s, _, own in self.profiles.values() if own]
         bound = _bounding(shape, own_shapes, self.positions())
         if bound is not None:
@@ -119,6 +124,14 @@ class ShapeFamily:
         fitted = self.shape_profile()
         err = None if fitted is None else fitted.fit_error(batch_size)
         return err is not None and err > FIT_TOLERANCE
+
+
+def _with_reserve(fitted: ShapeProfile, length: int, err: float, batch_size: int, **step_fields) -> StepCost:
+    """The fitted cost with the fit's checked miss (a share of the checked bytes) held as resident bytes
+    before the chain, so that a plan made from it fits even when the fit is off by that much."""
+    cost = fitted.at(batch_size, length, **step_fields)
+    reserve = int(math.ceil(err * sum(checked_bytes(cost))))
+    return dataclasses.replace(cost, pre_saved_bytes=cost.pre_saved_bytes + reserve)
 
 
 def _bounding(shape: BatchShape, profiled: list[BatchShape], positions) -> BatchShape | None:

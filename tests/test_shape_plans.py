@@ -128,3 +128,31 @@ def test_same_regions_compares_what_is_applied():
     assert same_regions(p, p) and not same_regions(p, None)
     with pytest.raises(AssertionError):
         assert same_regions(None, None)
+
+
+def test_a_fitted_cost_holds_the_fit_s_checked_miss_in_reserve():
+    """Bytes a little off a quadratic (a cubic term): the fit passes its check, and the cost it gives
+    carries the checked miss as resident bytes, so it is never below the exact cost by more than that."""
+    from test_shape_profile import _profile as exact
+
+    def bumpy(length):
+        return exact(length, extra=lambda s: s**3 / 2000)
+
+    class Bumpy(_Recorder):
+        def profile(self, batch, own):
+            super().profile(batch, own)
+            return bumpy(batch["input_ids"].shape[1])
+
+    rec = Bumpy()
+    plans = ShapePlans(rec.profile, rec.plan)
+    for x in (64, 128, 80):
+        plans.plan_for(_batch(8, x))
+    family = next(iter(plans.families.values()))
+    err = family.shape_profile().fit_error(8)
+    assert 0 < err <= 0.01
+    found = family.cost_of(shape_of(_batch(8, 100)))
+    assert found is not None and found[1].startswith("fitted") and "held in reserve" in found[1]
+    cost, truth = found[0](8), bumpy(100).at(8)
+    fitted_only = family.shape_profile().at(8, 100)
+    assert cost.pre_saved_bytes > fitted_only.pre_saved_bytes
+    assert sum(b.saved_bytes for b in cost.blocks) + cost.pre_saved_bytes >= sum(b.saved_bytes for b in truth.blocks) + truth.pre_saved_bytes

@@ -22,7 +22,7 @@ import numpy as np
 from lightning_ckpt.planning.costs import BlockCost, OpCost, StepCost
 from lightning_ckpt.planning.linear_fit import _BLOCK_LINEAR, _SIGNED_TIMES, _STEP_LINEAR, Profile, relative_miss
 
-FIT_TOLERANCE = 0.01  # worst leave-one-out miss (share of the measured bytes) under which the fit is trusted
+FIT_TOLERANCE = 0.01  # worst leave-one-out miss (share of the step's checked bytes) under which the fit is trusted
 MIN_FIT_LENGTHS = 4  # the leave-one-out check of a quadratic needs three lengths left in
 _OP_FIELDS = ("keep_bytes", "flops", "mem_bytes", "rng_bytes")
 _INT_STEP = (*_STEP_LINEAR, "post_forward_bytes")
@@ -56,7 +56,7 @@ def _fit_ops(opss: Sequence[tuple[OpCost, ...]], xs: Sequence[float], x: float) 
 
 
 def _fit_block(blocks: Sequence[BlockCost], xs: Sequence[float], x: float) -> BlockCost:
-    kw = dataclasses.asdict(blocks[0])
+    kw = {f.name: getattr(blocks[0], f.name) for f in dataclasses.fields(blocks[0])}
     for f in _BLOCK_LINEAR:
         v = max(0.0, _poly(xs, [getattr(b, f) for b in blocks], x))
         kw[f] = v if f == "fwd_ms" else int(round(v))
@@ -87,6 +87,13 @@ def fit_costs(costs: Sequence[StepCost], lengths: Sequence[int], length: int) ->
     meta = dict(first.meta)
     meta["step_fwd_flops"] = max(0.0, _poly(xs, [c.meta.get("step_fwd_flops", 0) for c in costs], length))
     return dataclasses.replace(first, blocks=blocks, meta=meta, **fields)
+
+
+def checked_bytes(cost: StepCost) -> list[float]:
+    """The quantities the fit is checked on, in a fixed order: every block's saved and input bytes,
+    the bytes before and after the chain and the batch."""
+    out = [float(getattr(b, f)) for b in cost.blocks for f in ("saved_bytes", "input_bytes")]
+    return out + [float(getattr(cost, f)) for f in _STEP_LINEAR]
 
 
 @dataclass(frozen=True)
@@ -138,8 +145,10 @@ class ShapeProfile:
         return fit_costs(costs, self.lengths, length)
 
     def fit_error(self, batch_size: int) -> float | None:
-        """Worst leave-one-out miss at `batch_size` (`relative_miss`), or None with fewer than
-        `MIN_FIT_LENGTHS` lengths, when the check cannot test a quadratic."""
+        """Worst leave-one-out miss at `batch_size`: the largest miss of any block's saved or boundary
+        bytes, or of the bytes around the chain, as a share of all those bytes at the length left out
+        (what the step's peak is made of); None with fewer than `MIN_FIT_LENGTHS` lengths, when the
+        check cannot test a quadratic."""
         if len(self.profiles) < MIN_FIT_LENGTHS:
             return None
         if batch_size not in self._errors:
@@ -147,13 +156,20 @@ class ShapeProfile:
         return self._errors[batch_size]
 
     def _leave_one_out(self, batch_size: int) -> float:
+        """Each profiled length predicted from the others, one least-squares solve per length over all
+        the checked quantities at once."""
         costs = [p.at(batch_size) for _, p in self.profiles]
-        lengths = self.lengths
+        values = np.array([checked_bytes(c) for c in costs], dtype=float)  # lengths x quantities
+        xs = np.asarray(self.lengths, dtype=float) / max(self.lengths)
         worst = 0.0
         for k in range(len(costs)):
-            rest = [c for j, c in enumerate(costs) if j != k]
-            xs = [x for j, x in enumerate(lengths) if j != k]
-            worst = max(worst, relative_miss(fit_costs(rest, xs, lengths[k]), costs[k]))
+            rest = np.arange(len(costs)) != k
+            coef = np.polynomial.polynomial.polyfit(xs[rest], values[rest], min(2, int(rest.sum()) - 1))
+            predicted = np.maximum(0.0, np.rint(np.polynomial.polynomial.polyval(xs[k], coef)))
+            measured = values[k]
+            total = float(measured.sum())
+            if total > 0:
+                worst = max(worst, float(np.max(np.abs(predicted - measured))) / total)
         return worst
 
     def covers(self, length: int, batch_size: int, tolerance: float = FIT_TOLERANCE) -> bool:
