@@ -28,24 +28,30 @@ _OP_FIELDS = ("keep_bytes", "flops", "mem_bytes", "rng_bytes")
 _INT_STEP = (*_STEP_LINEAR, "post_forward_bytes")
 
 
-def _poly(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
-    """Least-squares polynomial of degree min(2, len(xs) - 1) through (xs, ys), at x."""
+def _weights(xs: Sequence[float], x: float) -> tuple[float, ...]:
+    """The least-squares polynomial of degree min(2, len(xs) - 1) through (xs, ys), evaluated at x, is
+    linear in ys: these are its coefficients, computed once for every quantity fitted at x."""
     scale = max(xs)
     u = np.asarray(xs, dtype=float) / scale
     degree = min(2, len(xs) - 1)
-    coef = np.polynomial.polynomial.polyfit(u, np.asarray(ys, dtype=float), degree)
-    return float(np.polynomial.polynomial.polyval(x / scale, coef))
+    vander = np.vander(u, degree + 1, increasing=True)
+    at = np.vander(np.asarray([x / scale]), degree + 1, increasing=True)[0]
+    return tuple(float(w) for w in at @ np.linalg.pinv(vander))
 
 
-def _fit_ops(opss: Sequence[tuple[OpCost, ...]], xs: Sequence[float], x: float) -> tuple[OpCost, ...]:
-    """The block's op calls at length `x`, when every profiled length ran the same calls; else
-    none (no op-level options for that block at that length)."""
+def _poly(w: Sequence[float], ys: Sequence[float]) -> float:
+    return sum(a * b for a, b in zip(w, ys))
+
+
+def _fit_ops(opss: Sequence[tuple[OpCost, ...]], w: Sequence[float]) -> tuple[OpCost, ...]:
+    """The block's op calls at the fitted length, when every profiled length ran the same calls;
+    else none (no op-level options for that block at that length)."""
     keys = [tuple(o.key for o in ops) for ops in opss]
     if not keys or any(k != keys[0] for k in keys):
         return ()
     fitted = []
     for calls in zip(*opss):
-        kw = {f: max(0, int(round(_poly(xs, [getattr(o, f) for o in calls], x)))) for f in _OP_FIELDS}
+        kw = {f: max(0, int(round(_poly(w, [getattr(o, f) for o in calls])))) for f in _OP_FIELDS}
         fitted.append(
             dataclasses.replace(
                 calls[0], saved=all(o.saved for o in calls), keepable=all(o.keepable for o in calls),
@@ -55,37 +61,37 @@ def _fit_ops(opss: Sequence[tuple[OpCost, ...]], xs: Sequence[float], x: float) 
     return tuple(fitted)
 
 
-def _fit_block(blocks: Sequence[BlockCost], xs: Sequence[float], x: float) -> BlockCost:
+def _fit_block(blocks: Sequence[BlockCost], w: Sequence[float]) -> BlockCost:
     kw = {f.name: getattr(blocks[0], f.name) for f in dataclasses.fields(blocks[0])}
     for f in _BLOCK_LINEAR:
-        v = max(0.0, _poly(xs, [getattr(b, f) for b in blocks], x))
+        v = max(0.0, _poly(w, [getattr(b, f) for b in blocks]))
         kw[f] = v if f == "fwd_ms" else int(round(v))
     peaks = [b.ckpt_fwd_peak_bytes for b in blocks]
-    kw["ckpt_fwd_peak_bytes"] = None if None in peaks else int(round(max(0.0, _poly(xs, peaks, x))))
+    kw["ckpt_fwd_peak_bytes"] = None if None in peaks else int(round(max(0.0, _poly(w, peaks))))
     for f in _SIGNED_TIMES:
         values = [getattr(b, f) for b in blocks]
-        kw[f] = None if None in values else _poly(xs, values, x)
+        kw[f] = None if None in values else _poly(w, values)
     kw["input_saved_bytes"] = min(kw["input_saved_bytes"], kw["input_bytes"])
     kw["output_saved_bytes"] = min(kw["output_saved_bytes"], kw["output_bytes"])
     kw["input_saved_by_previous_bytes"] = min(kw["input_saved_by_previous_bytes"], kw["input_bytes"])
     for tail, whole in (("tail_flops", "fwd_flops"), ("tail_mem_bytes", "fwd_mem_bytes"), ("tail_rng_bytes", "fwd_rng_bytes")):
         kw[tail] = min(kw[tail], kw[whole])
     kw["chains_from_previous"] = all(b.chains_from_previous for b in blocks)
-    kw["ops"] = _fit_ops([b.ops for b in blocks], xs, x)
+    kw["ops"] = _fit_ops([b.ops for b in blocks], w)
     return BlockCost(**kw)
 
 
 def fit_costs(costs: Sequence[StepCost], lengths: Sequence[int], length: int) -> StepCost:
     """The step cost at `length` from costs at the same batch size and other `lengths`."""
-    xs = [float(v) for v in lengths]
+    w = _weights([float(v) for v in lengths], float(length))
     first = costs[0]
-    blocks = tuple(_fit_block([c.blocks[i] for c in costs], xs, length) for i in range(first.n_blocks))
+    blocks = tuple(_fit_block([c.blocks[i] for c in costs], w) for i in range(first.n_blocks))
     fields = {}
     for f in _INT_STEP:
         values = [getattr(c, f) for c in costs]
-        fields[f] = None if None in values else int(round(max(0.0, _poly(xs, values, length))))
+        fields[f] = None if None in values else int(round(max(0.0, _poly(w, values))))
     meta = dict(first.meta)
-    meta["step_fwd_flops"] = max(0.0, _poly(xs, [c.meta.get("step_fwd_flops", 0) for c in costs], length))
+    meta["step_fwd_flops"] = max(0.0, _poly(w, [c.meta.get("step_fwd_flops", 0) for c in costs]))
     return dataclasses.replace(first, blocks=blocks, meta=meta, **fields)
 
 
@@ -103,6 +109,7 @@ class ShapeProfile:
 
     profiles: tuple[tuple[int, Profile], ...]
     _errors: dict = field(default_factory=dict, compare=False, repr=False)  # fit_error by batch size
+    _fitted: dict = field(default_factory=dict, compare=False, repr=False)  # fitted costs already asked for
 
     def __post_init__(self) -> None:
         lengths = [x for x, _ in self.profiles]
@@ -141,8 +148,11 @@ class ShapeProfile:
                 f"length {length} was not profiled and one profiled length ({self.lengths[0]}) cannot be "
                 "extrapolated; profile that length too."
             )
-        costs = [p.at(batch_size, **step_fields) for _, p in self.profiles]
-        return fit_costs(costs, self.lengths, length)
+        key = (batch_size, length, tuple(sorted(step_fields.items())))
+        if key not in self._fitted:
+            costs = [p.at(batch_size, **step_fields) for _, p in self.profiles]
+            self._fitted[key] = fit_costs(costs, self.lengths, length)
+        return self._fitted[key]
 
     def fit_error(self, batch_size: int) -> float | None:
         """Worst leave-one-out miss at `batch_size`: the largest miss of any block's saved or boundary
