@@ -108,7 +108,7 @@ class Profile:
         blocks = []
         checks = self.check.blocks if self.check is not None else [None] * len(p1.blocks)
         for b1, b2, b3 in zip(p1.blocks, p2.blocks, checks):
-            kw = dataclasses.asdict(b1)
+            kw = {f.name: getattr(b1, f.name) for f in dataclasses.fields(b1)}  # shallow: ops are replaced below
             for f in _BLOCK_LINEAR:
                 v = max(0.0, _line(x1, getattr(b1, f), x2, getattr(b2, f), batch_size))
                 kw[f] = v if f == "fwd_ms" else int(round(v))

@@ -148,10 +148,12 @@ class ShapeProfile:
                 f"length {length} was not profiled and one profiled length ({self.lengths[0]}) cannot be "
                 "extrapolated; profile that length too."
             )
-        key = (batch_size, length, tuple(sorted(step_fields.items())))
+        fields = tuple(sorted(step_fields.items()))
+        key = (batch_size, length, fields)
         if key not in self._fitted:
-            costs = [p.at(batch_size, **step_fields) for _, p in self.profiles]
-            self._fitted[key] = fit_costs(costs, self.lengths, length)
+            if (batch_size, fields) not in self._fitted:  # each profile's line at this batch, for every length
+                self._fitted[(batch_size, fields)] = [p.at(batch_size, **step_fields) for _, p in self.profiles]
+            self._fitted[key] = fit_costs(self._fitted[(batch_size, fields)], self.lengths, length)
         return self._fitted[key]
 
     def fit_error(self, batch_size: int) -> float | None:
