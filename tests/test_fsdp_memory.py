@@ -358,8 +358,8 @@ def _zero3_lazy() -> dict:
         "plan": {k: v for k, v in lazy.plan.to_dict().items() if k != "rows"},
         "static_lazy": static_lazy,
         "static_eager": static_eager,
-        "saved_lazy": [b.saved_bytes for b in lazy.profile.probes[1].blocks],
-        "saved_eager": [b.saved_bytes for b in eager.profile.probes[1].blocks],
+        "saved_lazy": [b.saved_bytes for b in lazy.profile.at(2).blocks],  # the line at 2, whichever slices defined it
+        "saved_eager": [b.saved_bytes for b in eager.profile.at(2).blocks],
         "gather_bytes": [b.gather_bytes for b in lazy.profile.probes[1].blocks],
         "partitioned_bytes": [sum(p.ds_numel * p.element_size() for p in b.parameters()) for b in lazy_model.net.blocks],
         "bwd_gathered": [plain_gathers.nbytes, gathers.nbytes],
