@@ -32,7 +32,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "examples"), str(ROOT / "benchmarks")]
 from _examples import CNN_CHAIN, cnn_example, encoder_example  # noqa: E402
 
 import lightning_ckpt as lc  # noqa: E402
-from lightning_ckpt.integrations.target_plan import cost_at  # noqa: E402
+from lightning_ckpt.engine.target_plan import cost_at  # noqa: E402
 from lightning_ckpt.profiling.allocator import follow_tensors  # noqa: E402
 from lightning_ckpt.profiling.rss import RssPeak, current_rss_bytes  # noqa: E402
 from lightning_ckpt.profiling.step_peak import state_tensors  # noqa: E402

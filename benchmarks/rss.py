@@ -44,7 +44,7 @@ def worker(model_name: str, threshold: str, steps: int, quick: bool) -> dict:
     from _examples import CNN_CHAIN, cnn_example, encoder_example
 
     import lightning_ckpt as lc
-    from lightning_ckpt.integrations.target_plan import PlanRequest, plan_for_target
+    from lightning_ckpt.engine.target_plan import PlanRequest, plan_for_target
     from lightning_ckpt.profiling.allocator import follow_tensors_cpu
     from lightning_ckpt.profiling.rss import RssPeak, current_anon_bytes, current_rss_bytes
 
@@ -68,7 +68,7 @@ def worker(model_name: str, threshold: str, steps: int, quick: bool) -> dict:
     static = lc.static_memory(model, [opt])
     budget = BUDGETS[model_name] if not quick else None
     if budget is None:  # quick: half way between the `full` and `none` peaks
-        from lightning_ckpt.integrations.target_plan import cost_at
+        from lightning_ckpt.engine.target_plan import cost_at
 
         cost = cost_at(profile, bs, static)
         lo, hi = (lc.make_plan(cost, p).predicted_peak_bytes for p in ("full", "none"))

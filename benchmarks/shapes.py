@@ -339,7 +339,7 @@ def variable_lengths(s: Setup, lengths: list[int], budget: int, longest_plan: Pl
 
     cb = shape_cbs[0]
     spent = [(c._shapes.profile_s, c._shapes.plan_s) for c in shape_cbs]  # per round, before any reuse
-    decisions = list(cb._shapes.plans.values())
+    decisions = list(cb.engine._shapes.plans.values())
     first_plans = dict(cb.plans)
     # per-shape's peak run reuses the last round's callback (a second fit on the same model keeps
     # its profiles and plans again); checked below to give the first round's plans
@@ -394,17 +394,17 @@ def variable_lengths(s: Setup, lengths: list[int], budget: int, longest_plan: Pl
     print(f"  cost of each shape from: {', '.join(f'{k} {v}' for k, v in sorted(sources.items()))}")
     print(f"  profiling: {cb.profiled_steps} real batches profiled (lengths "
           f"{', '.join(str(length_of(d.shape)) for d in profiled)}), {cb.profile_runs} profiles with prefixes, "
-          f"{cb._shapes.profile_s:.1f} s in all; per profiled shape median "
+          f"{cb.engine._shapes.profile_s:.1f} s in all; per profiled shape median "
           f"{statistics.median(d.profile_s for d in profiled):.2f} s, max {max(d.profile_s for d in profiled):.2f} s; "
-          f"per distinct shape {cb._shapes.profile_s / len(decisions):.2f} s")
-    if cb._shapes.slice_error:
-        print(f"  prefixes dropped: {cb._shapes.slice_error}")
+          f"per distinct shape {cb.engine._shapes.profile_s / len(decisions):.2f} s")
+    if cb.engine._shapes.slice_error:
+        print(f"  prefixes dropped: {cb.engine._shapes.slice_error}")
     print(f"  planning: {len(decisions)} new shapes, median {statistics.median(plan_ms):.1f} ms, max {max(plan_ms):.1f} ms, "
-          f"{cb._shapes.plan_s:.1f} s in all")
+          f"{cb.engine._shapes.plan_s:.1f} s in all")
     for r, ((prof, plan_s), h) in enumerate(zip(spent, hook_s)):
         print(f"  round {r + 1}: {h:.1f} s outside steps = profiling {prof:.1f} s + planning {plan_s:.1f} s + "
               f"the rest {h - prof - plan_s:.1f} s (cost lookups with their fit checks, switches)")
-    for family in cb._shapes.families.values():
+    for family in cb.engine._shapes.families.values():
         fitted = family.shape_profile(own_only=True)
         err = None if fitted is None else fitted.fit_error(s.batch)
         if err is not None:

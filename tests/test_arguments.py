@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from lightning_ckpt.integrations import arguments
+from lightning_ckpt.engine import arguments
 
 
 def test_cpu_without_a_budget_says_to_set_one():

@@ -160,13 +160,13 @@ def test_infeasible_target_names_largest_batch():
     full_8 = make_plan(probe.cost, "full").predicted_peak_bytes
     budget = full_8 - 1  # batch 8 cannot fit even fully checkpointed
     cb = ActivationCheckpointing(target_batch_size=8, memory_budget=budget, verbose=False)
-    with pytest.raises(InfeasibleBudgetError, match=r"target_batch_size=8 .* the largest batch that fits with the best plan is (\d+)") as info:
+    with pytest.raises(InfeasibleBudgetError, match=r"target_batch_size=8 .* the largest batch that fits with policy='optimal' is (\d+)") as info:
         _fit([cb])
     import re
 
     largest = int(re.search(r"is (\d+)", str(info.value)).group(1))
     assert 1 <= largest < 8
-    from lightning_ckpt.integrations.target_plan import cost_at
+    from lightning_ckpt.engine.target_plan import cost_at
 
     assert make_plan(cost_at(cb.profile, largest, static), "optimal", budget).fits
     with pytest.raises(InfeasibleBudgetError):
@@ -331,10 +331,10 @@ def test_max_batch_size_from_the_model(budget_midpoint):
     best = cb.batch_size
     assert best % 4 == 0 and best >= 8 and data.batch_size == best
     assert cb.plan.fits and cb.plan.batch_size == best
-    from lightning_ckpt.integrations.target_plan import cost_at
+    from lightning_ckpt.engine.target_plan import cost_at
     from lightning_ckpt.planning.capacity import plan_if_fits
 
-    assert plan_if_fits(cost_at(cb.profile, best + 4, cb._static), cb._budget_bytes) is None
+    assert plan_if_fits(cost_at(cb.profile, best + 4, cb.engine._static), cb._budget_bytes) is None
     with pytest.raises(ValueError, match="batch_multiple=4 only applies to target_batch_size='max'"):
         ActivationCheckpointing(target_batch_size=8, memory_budget="1GiB", batch_multiple=4)
 
@@ -500,10 +500,10 @@ def test_single_level_under_full_peak_is_infeasible(under_full_peak):
     cb = ActivationCheckpointing(
         target_batch_size=8, memory_budget=under_full_peak, max_levels=1, verbose=False, report=False
     )
-    match = r"target_batch_size=8 with policy='optimal'.*max_levels=1.* the largest batch that fits with the best plan is (\d+)"
+    match = r"target_batch_size=8 with policy='optimal'.*max_levels=1.* the largest batch that fits with policy='optimal' is (\d+)"
     with pytest.raises(InfeasibleBudgetError, match=match) as info:
         _fit([cb], data=TokenData(batch_size=8, seq=LONG_SEQ), max_steps=1)
     assert cb.plan is None
     import re
 
-    assert 1 <= int(re.search(r"plan is (\d+)", str(info.value)).group(1)) < 8
+    assert 1 <= int(re.search(r"policy='optimal' is (\d+)", str(info.value)).group(1)) < 8

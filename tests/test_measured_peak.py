@@ -135,18 +135,18 @@ def test_fit_warns_when_a_measured_step_is_over_the_budget(tmp_path):
     from lit_models import LitChain, TokenData, make_trainer
 
     from lightning_ckpt import ActivationCheckpointing
-    from lightning_ckpt.integrations import callback as callback_module
+    from lightning_ckpt.engine.checkpoint_engine import CheckpointEngine
 
     cb = ActivationCheckpointing(target_batch_size=8, memory_budget="64MiB", policy="none", measure_peak=True, verbose=False)
-    real = callback_module.ActivationCheckpointing._plan_shape
+    real = CheckpointEngine._plan_shape
 
     def optimistic(self, cost_of, shape):
         plan = real(self, cost_of, shape)
         return dataclasses.replace(plan, budget_bytes=1024, predicted_peak_bytes=512)
 
-    callback_module.ActivationCheckpointing._plan_shape = optimistic
+    CheckpointEngine._plan_shape = optimistic
     try:
         with pytest.warns(UserWarning, match=r"OVER the memory_budget of 1\.0 KiB"):
             make_trainer([cb], max_steps=2, default_root_dir=str(tmp_path)).fit(LitChain(), datamodule=TokenData(batch_size=8))
     finally:
-        callback_module.ActivationCheckpointing._plan_shape = real
+        CheckpointEngine._plan_shape = real

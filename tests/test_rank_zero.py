@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from lightning_ckpt.integrations.rank_zero import (
+from lightning_ckpt.engine.rank_zero import (
     ERROR_TYPES,
     PlanningOutcome,
     plan_on_rank_zero,

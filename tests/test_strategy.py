@@ -645,7 +645,7 @@ def _skew_run(rank: int) -> dict:
     finally:
         profiler._time_blocks = original
     # what this rank would have planned alone, from its own profile (rank 1 profiled, but did not plan)
-    from lightning_ckpt.integrations.target_plan import cost_at
+    from lightning_ckpt.engine.target_plan import cost_at
 
     cost = cost_at(cb.profile, BATCH, trainer.strategy.ckpt_static_memory(model))
     local = make_plan(cost, "optimal", budget[0], metric="ms")
@@ -705,7 +705,7 @@ def _ddp_shapes_run() -> dict:
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             plan = self.cb.plan
             self.rows.append({"length": int(batch["input_ids"].shape[1]), "segments": [list(s) for s in plan.segments],
-                              "predicted": plan.predicted_peak_bytes, "planned_length": self.cb._shape.shapes[0][1]})
+                              "predicted": plan.predicted_peak_bytes, "planned_length": self.cb.engine.shape.shapes[0][1]})
 
     pl.seed_everything(0, verbose=False)
     cb = ActivationCheckpointing(4, memory_budget="1GiB", policy="full", verbose=False, report=False)

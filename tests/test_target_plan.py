@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from lightning_ckpt.integrations.target_plan import (
+from lightning_ckpt.engine.target_plan import (
     PlanRequest,
     cost_at,
     plan_for_max,
@@ -31,8 +33,8 @@ def _probe(b: int) -> StepCost:
 PROFILE = Profile(probes=(_probe(1), _probe(2)))
 
 
-def _request(budget: int, max_levels: int = 2) -> PlanRequest:
-    return PlanRequest(budget_bytes=budget, policy="optimal", every_k=None, cost_metric="flops", max_levels=max_levels)
+def _request(budget: int, max_levels: int = 2, policy: str = "optimal") -> PlanRequest:
+    return PlanRequest(budget_bytes=budget, policy=policy, every_k=None, cost_metric="flops", max_levels=max_levels)
 
 
 def test_cost_at_adds_the_static_memory_to_the_fitted_line():
@@ -50,13 +52,24 @@ def test_target_that_fits_gets_the_policy_plan():
 
 def test_target_that_cannot_fit_names_the_largest_batch_that_does():
     full_8 = make_plan(cost_at(PROFILE, 8, STATIC), "full").predicted_peak_bytes
-    with pytest.raises(InfeasibleBudgetError, match=r"target_batch_size=8 .* the largest batch that fits with the best plan is (\d+)\. Lower") as info:
+    with pytest.raises(InfeasibleBudgetError, match=r"target_batch_size=8 .* the largest batch that fits with policy='optimal' is (\d+)\. Lower") as info:
         plan_for_target(PROFILE, STATIC, _request(full_8 - 1, max_levels=1), 8)
-    largest = int(info.value.args[0].split("plan is ")[1].split(".")[0])
+    largest = int(re.search(r"policy='optimal' is (\d+)", str(info.value)).group(1))
     assert 1 <= largest < 8
     assert plan_if_fits(cost_at(PROFILE, largest, STATIC), full_8 - 1, max_levels=1) is not None
     with pytest.raises(InfeasibleBudgetError, match="not even batch size 1 fits"):
         plan_for_target(PROFILE, STATIC, _request(STATIC.resident_bytes), 8)
+
+
+def test_the_largest_batch_named_is_the_policy_s_own():
+    """With policy='none' the largest batch named is the one that fits without checkpointing."""
+    none_8 = make_plan(cost_at(PROFILE, 8, STATIC), "none").predicted_peak_bytes
+    with pytest.raises(InfeasibleBudgetError, match=r"policy='none' is (\d+)") as info:
+        plan_for_target(PROFILE, STATIC, _request(none_8 - 1, policy="none"), 8)
+    largest = int(re.search(r"policy='none' is (\d+)", str(info.value)).group(1))
+    assert plan_if_fits(cost_at(PROFILE, largest, STATIC), none_8 - 1, "none") is not None
+    assert plan_if_fits(cost_at(PROFILE, largest + 1, STATIC), none_8 - 1, "none") is None
+    assert plan_if_fits(cost_at(PROFILE, largest + 1, STATIC), none_8 - 1, "optimal") is not None  # optimal fits more
 
 
 def test_nested_segments_fit_a_target_below_the_full_peak():

@@ -50,9 +50,10 @@ def plan_for_target(profile: Profile, static: StaticMemory, request: PlanRequest
         plan = None
     if plan is not None and plan.fits:
         return plan, cost
-    largest, _ = largest_batch(
-        lambda b: cost_at(profile, b, static), request.budget_bytes, "optimal", upper=target, metric=request.cost_metric,
-        granularity=request.granularity, max_levels=request.max_levels,
+    largest, _ = largest_batch(  # for the policy asked for: the batch that would fit as configured
+        lambda b: cost_at(profile, b, static), request.budget_bytes, request.policy, upper=target,
+        every_k=request.every_k, metric=request.cost_metric, granularity=request.granularity,
+        max_levels=request.max_levels,
     )
     got = f"needs {format_bytes(plan.predicted_peak_bytes)}" if plan is not None else "cannot fit"
     levels = (
@@ -61,7 +62,7 @@ def plan_for_target(profile: Profile, static: StaticMemory, request: PlanRequest
         else ""
     )
     if largest:
-        hint = f"the largest batch that fits with the best plan is {largest}"
+        hint = f"the largest batch that fits with policy={request.policy!r} is {largest}"
     else:
         parts = [("parameters", static.param_bytes), ("buffers", static.buffer_bytes),
                  ("gradients", static.grad_bytes), ("optimizer state", static.optimizer_state_bytes)]

@@ -7,13 +7,12 @@ reported and the run re-plans, or with `strict_resume` stops.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_ckpt.engine.checkpoint_engine import block_signature  # noqa: F401 - part of the checkpoint format
 from lightning_ckpt.planning.costs import StepCost
 from lightning_ckpt.planning.linear_fit import Profile
 from lightning_ckpt.planning.nested_model import depth_of
@@ -27,11 +26,6 @@ class ResumedPlan:
     plan: Plan
     profile: Profile | None
     cost: StepCost | None
-
-
-def block_signature(names: Sequence[str], blocks: Sequence[torch.nn.Module]) -> list[list[Any]]:
-    """[name, parameter shapes] of every block: what a plan's segments refer to."""
-    return [[name, [list(p.shape) for p in blk.parameters()]] for name, blk in zip(names, blocks)]
 
 
 def callback_state(

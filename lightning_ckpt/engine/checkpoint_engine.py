@@ -1,0 +1,293 @@
+"""`CheckpointEngine`: profile, plan, apply, re-plan per batch shape and undo, for every front end.
+
+The callback, `auto_checkpoint` (plain loops, Fabric) and any other front end own only what is
+theirs (where batches come from, what a step is, how to log); the engine owns the rest:
+
+- the blocks and what was profiled of them, kept while the blocks stay the same;
+- a plan per batch shape (`shape_plans.ShapePlans`), made on rank 0 and broadcast, so that all
+  ranks apply the same plan; when the ranks' batches differ in shape every rank runs the plan of
+  the elementwise-largest;
+- the applied plan, switched when the shape changes (hooks only, kept when the regions are the same).
+
+A front end hands it a `StepDriver`: one step's profile on slices of a batch, the static memory,
+the collectives and the messages. Nothing here imports Lightning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from lightning_ckpt.apply import AppliedPlan
+from lightning_ckpt.engine.rank_zero import plan_on_rank_zero
+from lightning_ckpt.engine.target_plan import PlanRequest, plan_for_max, plan_for_target
+from lightning_ckpt.planning.costs import StepCost
+from lightning_ckpt.planning.linear_fit import Profile
+from lightning_ckpt.planning.machine_rates import MachineRates
+from lightning_ckpt.planning.plan import Plan
+from lightning_ckpt.planning.policies import InfeasibleBudgetError
+from lightning_ckpt.profiling.shapes import BatchShape, shape_of
+from lightning_ckpt.profiling.static_memory import StaticMemory
+from lightning_ckpt.shape_plans import CostSource, ShapeDecision, ShapePlans, largest_shape, same_regions
+from lightning_ckpt.shape_plans import describe as describe_decision
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How to plan: the per-device budget, the policy and the profiling sizes (the callback's arguments)."""
+
+    budget_bytes: int
+    policy: str = "optimal"
+    every_k: int | None = None
+    cost_metric: str = "time"
+    granularity: str = "block"
+    max_levels: int = 2
+    probe_batch_sizes: tuple[int, int] = (1, 2)
+    check_batch_size: int | None = 4
+    guard_batchnorm: bool = True
+    batch_multiple: int = 1
+
+    def request(self) -> PlanRequest:
+        return PlanRequest(
+            self.budget_bytes, self.policy, self.every_k, self.cost_metric, self.granularity, self.max_levels
+        )
+
+
+class StepDriver(Protocol):
+    """What a front end gives the engine."""
+
+    rank: int
+    grads_accumulate: bool  # gradients from an earlier micro-batch are alive in the step
+
+    def profile(
+        self, batch: Any, blocks: list[torch.nn.Module], names: list[str], *, batch_idx: int,
+        probes: tuple[int, int], check: int | None, rates: MachineRates | None, calibrate_keeps: bool,
+    ) -> Profile:
+        """One profile of the step on slices of `batch`, every state put back."""
+
+    def static_memory(self) -> StaticMemory: ...
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank (the object itself on one process)."""
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` in rank order (`[obj]` on one process)."""
+
+    def apply(self, blocks: list[torch.nn.Module], names: list[str], plan: Plan, guard_batchnorm: bool) -> AppliedPlan: ...
+
+    def info(self, message: str) -> None: ...
+
+    def warn(self, message: str) -> None: ...
+
+
+def block_signature(names: Sequence[str], blocks: Sequence[torch.nn.Module]) -> list[list[Any]]:
+    """[name, parameter shapes] of every block: what a plan's segments refer to."""
+    return [[name, [list(p.shape) for p in blk.parameters()]] for name, blk in zip(names, blocks)]
+
+
+class CheckpointEngine:
+    """The plan for each batch's shape, applied to the blocks; see the module docstring."""
+
+    def __init__(self, settings: EngineSettings, driver: StepDriver) -> None:
+        self.settings, self.driver = settings, driver
+        self.plan: Plan | None = None
+        self.profile: Profile | None = None  # the first profile (the first batch's shape)
+        self.blocks: list[torch.nn.Module] = []
+        self.block_names: list[str] = []
+        self.shape: BatchShape | None = None  # the shape the applied plan was made for
+        self.profiled_steps = 0  # real batches profiled
+        self.signature: list | None = None
+        self.resume_with: Callable[[], Any] | None = None  # once, before the first plan: a resumed plan or None
+        self._shapes: ShapePlans | None = None
+        self._applied: AppliedPlan | None = None
+        self._static: StaticMemory | None = None
+        self._costs: dict[BatchShape, StepCost] = {}
+        self._cost: StepCost | None = None
+        self._rates: MachineRates | None = None
+        self._resumed: Plan | None = None
+        self._find_max = False
+        self._batch_idx = 0
+
+    # ------------------------------------------------------------------ binding and state
+
+    def bind(self, blocks: list[torch.nn.Module], names: list[str], settings: EngineSettings | None = None) -> None:
+        """Plan these blocks from now on: what was profiled is kept while the blocks are the same;
+        plans are made again (the budget, the optimizer or the settings may have changed)."""
+        self.remove()
+        signature = block_signature(names, blocks)
+        if self._shapes is None or signature != self.signature:  # other blocks: what was profiled is void
+            self.profile, self._costs, self._cost = None, {}, None
+            self._shapes = ShapePlans(self._profile_shape, self._plan_shape)
+        self._shapes.forget_plans()
+        self.settings = settings or self.settings
+        self.blocks, self.block_names, self.signature = list(blocks), list(names), signature
+        self._static, self.shape = None, None
+
+    @property
+    def cost(self) -> StepCost | None:
+        """The step's cost the applied plan was made from."""
+        return self._cost
+
+    @property
+    def applied(self) -> bool:
+        return self._applied is not None and self._applied.active
+
+    @property
+    def plans(self) -> dict[BatchShape, Plan]:
+        """The plan made for every batch shape since `bind`."""
+        return {} if self._shapes is None else {d.shape: d.plan for d in self._shapes.plans.values()}
+
+    @property
+    def profile_runs(self) -> int:
+        """How many shapes were profiled (each on a few small slices of a batch)."""
+        return 0 if self._shapes is None else self._shapes.profile_runs
+
+    @property
+    def slice_error(self) -> str | None:
+        return None if self._shapes is None else self._shapes.slice_error
+
+    def describe(self, decision: ShapeDecision) -> str:
+        """One line on how `decision` was reached (for logs)."""
+        assert self._shapes is not None
+        return describe_decision(decision, self._shapes)
+
+    def remove(self) -> None:
+        """Take the applied plan off the blocks (they run as they were)."""
+        if self._applied is not None:
+            self._applied.remove()
+            self._applied = None
+
+    # ------------------------------------------------------------------ planning
+
+    def plan_max(self, batch: Any) -> Plan:
+        """Profile `batch` and plan the largest batch (a multiple of `batch_multiple`) whose plan fits;
+        nothing is applied: batches come at that size and are planned when they arrive."""
+        self._require_bound()
+        self._find_max = True
+        try:
+            plan = self._plan_everywhere(batch, 0, [shape_of(batch)]).plan
+        finally:
+            self._find_max = False
+        self._shapes.forget_plans()
+        self.plan = plan
+        return plan
+
+    def step(self, batch: Any, batch_idx: int = 0) -> ShapeDecision | None:
+        """Make the plan for `batch`'s shape the applied one, before its step runs; None when it already is.
+
+        Collective on several ranks: every rank calls it at every step (the shapes are gathered)."""
+        self._require_bound()
+        shapes = self.driver.all_gather(shape_of(batch))  # every rank's, so that all decide alike
+        shape = shapes[0] if len(set(shapes)) == 1 else largest_shape(shapes)
+        if self._applied is not None and shape == self.shape:
+            return None
+        decision = self._plan_everywhere(batch, batch_idx, shapes)
+        self._switch_to(decision, shape)
+        return decision
+
+    def _require_bound(self) -> None:
+        if self._shapes is None:
+            raise RuntimeError("the engine has no blocks yet: call bind(blocks, names) first.")
+
+    def _switch_to(self, decision: ShapeDecision, shape: BatchShape) -> None:
+        plan = decision.plan
+        if self._applied is None or not same_regions(plan, self.plan):
+            self.remove()
+            self._applied = self.driver.apply(self.blocks, self.block_names, plan, self.settings.guard_batchnorm)
+        self.plan, self.shape = plan, shape
+        self._cost = self._costs.get(shape, self._cost)
+
+    def _plan_everywhere(self, batch: Any, batch_idx: int, shapes: list[BatchShape]) -> ShapeDecision:
+        """The plan for `batch`'s shape: cached, resumed, or profiled (every rank) and planned on rank 0."""
+        shape = shape_of(batch)
+        if len(set(shapes)) > 1:  # the ranks' batches differ: every rank runs the plan of the largest
+            return self._plan_largest(batch, shape, shapes, batch_idx)
+        hit = self._shapes.cached(shape)
+        if hit is not None:
+            return dataclasses.replace(hit, new=False)
+        self._batch_idx = batch_idx
+        self.remove()  # profiling runs the model as it is without a plan
+
+        def resumed_or_planned() -> Plan | None:
+            resume, self.resume_with = self.resume_with, None
+            resumed = None if resume is None else resume()
+            if resumed is not None and resumed.profile is not None:
+                self._shapes.add_profile(shape, resumed.profile)
+                self.profile = resumed.profile
+                self._costs[shape] = resumed.cost
+                self._resumed = resumed.plan
+            return self._shapes.plan_for(batch, shape).plan
+
+        plan = plan_on_rank_zero(resumed_or_planned, self.driver.broadcast, self.driver.rank)
+        return self._shapes.settle(shape, plan)
+
+    def _plan_largest(self, batch: Any, shape: BatchShape, shapes: list[BatchShape], batch_idx: int) -> ShapeDecision:
+        """The plan of the ranks' largest shape on every rank. When some rank's shape was never
+        profiled, every rank profiles its own batch (collectively, as sharded parameters are gathered)
+        and all profiles are shared before rank 0 plans."""
+        largest = largest_shape(shapes)
+        hit = self._shapes.cached(largest)
+        if hit is not None:
+            return dataclasses.replace(hit, new=False)
+        self._batch_idx = batch_idx
+        self.remove()
+        if any(s not in self._shapes.profiled_shapes for s in shapes):
+            profile = None
+            try:
+                profile = self._shapes.profile_own(batch, shape)
+            except Exception as err:  # noqa: BLE001 - every rank must reach the exchange below
+                self.driver.warn(f"lightning-ckpt: rank {self.driver.rank} failed to profile ({err}).")
+            mine = (shape, None if profile is None else profile.to_dict())
+            for other, data in self.driver.all_gather(mine):
+                if data is not None:
+                    self._shapes.add_profile(other, Profile.from_dict(data))
+        plan = plan_on_rank_zero(lambda: self._shapes.plan_for(None, largest).plan, self.driver.broadcast, self.driver.rank)
+        return self._shapes.settle(largest, plan)
+
+    def _profile_shape(self, batch: Any, own: bool) -> Profile:
+        """Profile the blocks on slices of `batch` (`own`: the batch of the step about to run; else a
+        prefix of it at a shorter length)."""
+        s = self.settings
+        profile = self.driver.profile(
+            batch, self.blocks, self.block_names, batch_idx=self._batch_idx, probes=s.probe_batch_sizes,
+            check=s.check_batch_size, rates=self._rates,
+            calibrate_keeps=own and self._rates is None and s.granularity == "op" and s.cost_metric == "time",
+        )
+        self.profiled_steps += own
+        if self._rates is None:
+            self._rates = profile.probes[0].rates
+        if self.profile is None:
+            self.profile = profile
+        return profile
+
+    def _plan_shape(self, cost_of: Callable[..., StepCost], shape: BatchShape) -> Plan | None:
+        """Rank 0's plan at `shape` from `cost_of` (None on the other ranks, which take rank 0's)."""
+        if self.driver.rank != 0:
+            return None
+        if self._resumed is not None:  # a checkpoint's plan, for the shape it was made at
+            plan, self._resumed = self._resumed, None
+            return plan
+        if self._static is None:
+            self._static = self.driver.static_memory()
+        request = self.settings.request()
+        costs = CostSource(cost_of, grads_accumulate=self.driver.grads_accumulate)
+        if self._find_max:
+            multiple = self.settings.batch_multiple
+            plan, cost = plan_for_max(costs, self._static, request, multiple)
+            self.driver.info(
+                f"lightning-ckpt: target_batch_size='max' -> {plan.batch_size} (a multiple of {multiple}) "
+                f"at the shape of the profiled batch ({shape.describe()}); batches of other shapes are planned "
+                "when they arrive at that size, and one that cannot fit stops the run before its step."
+            )
+        else:
+            try:
+                plan, cost = plan_for_target(costs, self._static, request, shape.batch_size)
+            except InfeasibleBudgetError as err:
+                raise InfeasibleBudgetError(f"the training batch of shape ({shape.describe()}): {err}") from None
+        self._costs[shape] = cost
+        self._cost = cost
+        return plan

@@ -1,0 +1,67 @@
+"""The engine's `StepDriver` under a Lightning `Trainer`: the module's own `training_step` profiled
+(`profile_step`), the strategy's static memory and collectives, Lightning's rank-zero messages."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from lightning_ckpt.apply import AppliedPlan
+from lightning_ckpt.integrations import compiled
+from lightning_ckpt.integrations.profile_step import profile_first_batch
+from lightning_ckpt.integrations.strategy_hooks import strategy_static_memory
+from lightning_ckpt.planning.linear_fit import Profile
+from lightning_ckpt.planning.machine_rates import MachineRates
+from lightning_ckpt.planning.plan import Plan
+from lightning_ckpt.profiling.static_memory import StaticMemory
+
+
+class LightningDriver:
+    """Profiling, static memory, collectives and messages of one `trainer`'s fit."""
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.trainer = trainer
+
+    @property
+    def rank(self) -> int:
+        return self.trainer.global_rank
+
+    @property
+    def grads_accumulate(self) -> bool:
+        return self.trainer.accumulate_grad_batches > 1
+
+    def profile(
+        self, batch: Any, blocks: list[torch.nn.Module], names: list[str], *, batch_idx: int,
+        probes: tuple[int, int], check: int | None, rates: MachineRates | None, calibrate_keeps: bool,
+    ) -> Profile:
+        trainer = self.trainer
+        return profile_first_batch(
+            trainer, trainer.lightning_module, blocks, names, batch, batch_idx, probes, check,
+            calibrate_keeps=calibrate_keeps, rates=rates,
+        )
+
+    def static_memory(self) -> StaticMemory:
+        return strategy_static_memory(self.trainer, self.trainer.lightning_module)
+
+    def broadcast(self, obj: Any) -> Any:
+        return self.trainer.strategy.broadcast(obj, src=0)
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if not (self.trainer.world_size > 1 and dist.is_available() and dist.is_initialized()):
+            return [obj]
+        found: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(found, obj)
+        return found
+
+    def apply(self, blocks: list[torch.nn.Module], names: list[str], plan: Plan, guard_batchnorm: bool) -> AppliedPlan:
+        return compiled.apply_plan(self.trainer.lightning_module, blocks, names, plan, guard_batchnorm)
+
+    def info(self, message: str) -> None:
+        rank_zero_info(message)
+
+    def warn(self, message: str) -> None:
+        rank_zero_warn(message)
