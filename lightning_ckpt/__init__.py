@@ -3,7 +3,8 @@
 Profile a training step block by block, plan which blocks to checkpoint so the
 target batch size fits a memory budget with the least recompute, and apply the
 plan with non-reentrant `torch.utils.checkpoint`. The core (profiler, memory model,
-planner, apply) is plain torch; `ActivationCheckpointing` (the Lightning callback)
+planner, apply, the engine) is plain torch; `auto_checkpoint` drives it from a loop
+you write (plain PyTorch, Fabric); `ActivationCheckpointing` (the Lightning callback)
 is imported lazily so that `import lightning_ckpt` stays fast.
 """
 
@@ -12,6 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lightning_ckpt.apply import AppliedPlan, apply_plan, apply_segments
+from lightning_ckpt.engine.auto_checkpoint import CheckpointHandle, auto_checkpoint
+from lightning_ckpt.engine.checkpoint_engine import CheckpointEngine, EngineSettings, StepDriver
 from lightning_ckpt.planning.costs import BlockCost, OpCost, StepCost
 from lightning_ckpt.planning.linear_fit import Profile
 from lightning_ckpt.planning.machine_rates import MachineRates
@@ -37,7 +40,10 @@ __all__ = [
     "ActivationCheckpointing",
     "AppliedPlan",
     "BlockCost",
+    "CheckpointEngine",
+    "CheckpointHandle",
     "DeepSpeedStrategy",
+    "EngineSettings",
     "GRANULARITIES",
     "InfeasibleBudgetError",
     "LiveBytesTracker",
@@ -49,9 +55,11 @@ __all__ = [
     "Profile",
     "StaticMemory",
     "StepCost",
+    "StepDriver",
     "ZeroMemory",
     "apply_plan",
     "apply_segments",
+    "auto_checkpoint",
     "block_options",
     "make_plan",
     "measure_rates",

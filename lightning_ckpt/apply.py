@@ -25,6 +25,7 @@ from torch.utils.checkpoint import _checkpoint_without_reentrant_generator
 
 from lightning_ckpt.apply_selective import SelectiveKeep, validate_keep_ops
 from lightning_ckpt.planning.nested_model import validate_nested
+from lightning_ckpt.profiling.applied_marks import mark, refuse_marked
 from lightning_ckpt.profiling.chain_check import receives_output, tensor_version
 
 __all__ = ["AppliedPlan", "apply_plan", "apply_segments", "BatchNormGuard"]
@@ -264,8 +265,10 @@ class AppliedPlan:
         spans: list[Span],
         keep_ops: dict[int, frozenset[tuple[str, int]]] | None = None,
         inner_segments: list[Span] | None = None,
+        marked_blocks: Sequence[nn.Module] = (),
     ) -> None:
         self._segments = segments
+        self._marked = list(marked_blocks)  # blocks marked as running under this plan (`applied_marks`)
         self.segments = spans
         self.inner_segments = inner_segments or []
         self.keep_ops = keep_ops or {}  # block index -> the op-call keys kept (an empty set: plain checkpointing)
@@ -273,6 +276,8 @@ class AppliedPlan:
     def remove(self) -> None:
         for seg in self._segments:
             seg.detach()
+        mark(self._marked, False)
+        self._marked = []
         self._segments = []
         self.segments = []
         self.inner_segments = []
@@ -313,6 +318,7 @@ def apply_segments(
 
     spans = validate_segments(len(blocks), segments)
     inner = validate_nested(len(blocks), spans, inner_segments)
+    refuse_marked([blocks[i] for a, b in spans for i in range(a, b + 1)], None, "apply a plan")
     keeps = validate_keep_ops(keep_ops, spans, len(blocks), inner)
     running: list[Span] = []
     objs = []
@@ -327,7 +333,8 @@ def apply_segments(
         )
         seg.attach()
         objs.append(seg)
-    return AppliedPlan(objs, spans, keeps, inner)
+    mark([blocks[i] for a, b in spans for i in range(a, b + 1)], True)
+    return AppliedPlan(objs, spans, keeps, inner, marked_blocks=[blocks[i] for a, b in spans for i in range(a, b + 1)])
 
 
 def apply_plan(

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_ckpt.apply import AppliedPlan, BatchNormGuard
+from lightning_ckpt.profiling.applied_marks import mark, refuse_marked
 
 __all__ = [
     "CompiledRegion",
@@ -145,6 +146,8 @@ def apply_compiled_segments(
     from lightning_ckpt.planning.memory_model import validate_segments
 
     spans = one_block_segments(validate_segments(len(blocks), segments))
+    chosen = [blocks[i] for i, _ in spans]
+    refuse_marked(chosen, None, "apply a plan")
     regions = []
     for i, _ in spans:
         region = CompiledRegion(
@@ -152,4 +155,5 @@ def apply_compiled_segments(
         )
         region.attach()
         regions.append(region)
-    return AppliedPlan(regions, spans)
+    mark(chosen, True)
+    return AppliedPlan(regions, spans, marked_blocks=chosen)

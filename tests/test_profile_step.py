@@ -94,7 +94,7 @@ def _inject(stage: str, model, monkeypatch) -> None:
     elif stage == "rates":
         monkeypatch.setattr("lightning_ckpt.profiling.rates.measure_rates", _raise)
     elif stage == "planning":
-        monkeypatch.setattr("lightning_ckpt.engine.target_plan.plan_for_target", _raise)
+        monkeypatch.setattr("lightning_ckpt.engine.checkpoint_engine.plan_for_target", _raise)
     else:
         raise AssertionError(stage)
 

@@ -30,6 +30,7 @@ from lightning_ckpt.planning.linear_fit import Profile
 from lightning_ckpt.planning.machine_rates import MachineRates
 from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.planning.policies import InfeasibleBudgetError
+from lightning_ckpt.profiling.applied_marks import refuse_marked
 from lightning_ckpt.profiling.shapes import BatchShape, shape_of
 from lightning_ckpt.profiling.static_memory import StaticMemory
 from lightning_ckpt.shape_plans import CostSource, ShapeDecision, ShapePlans, largest_shape, same_regions
@@ -189,6 +190,30 @@ class CheckpointEngine:
         self._switch_to(decision, shape)
         return decision
 
+    def prime(self, batch: Any) -> None:
+        """Profile `batch` (every rank) without planning: plans at other batch sizes of its shape
+        come from this profile (`step_shape`)."""
+        self._require_bound()
+        self.remove()
+        shape = shape_of(batch)
+        if shape not in self._shapes.profiled_shapes:
+            self._shapes.profile_own(batch, shape)
+
+    def step_shape(self, shape: BatchShape) -> ShapeDecision | None:
+        """Make the plan for `shape` the applied one, from what was profiled (no batch needed: a
+        profiled shape at another batch size); None when it already is."""
+        self._require_bound()
+        if self._applied is not None and shape == self.shape:
+            return None
+        hit = self._shapes.cached(shape)
+        if hit is not None:
+            decision = dataclasses.replace(hit, new=False)
+        else:
+            plan = plan_on_rank_zero(lambda: self._shapes.plan_for(None, shape).plan, self.driver.broadcast, self.driver.rank)
+            decision = self._shapes.settle(shape, plan)
+        self._switch_to(decision, shape)
+        return decision
+
     def _require_bound(self) -> None:
         if self._shapes is None:
             raise RuntimeError("the engine has no blocks yet: call bind(blocks, names) first.")
@@ -252,6 +277,7 @@ class CheckpointEngine:
         """Profile the blocks on slices of `batch` (`own`: the batch of the step about to run; else a
         prefix of it at a shorter length)."""
         s = self.settings
+        refuse_marked(self.blocks, self.block_names, "profile the blocks")  # another plan runs on them
         profile = self.driver.profile(
             batch, self.blocks, self.block_names, batch_idx=self._batch_idx, probes=s.probe_batch_sizes,
             check=s.check_batch_size, rates=self._rates,

@@ -16,13 +16,13 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_ckpt.engine.plain_driver import checked_size
 from lightning_ckpt.integrations.compiled import compiled_by, eager_only, one_block_profile
 from lightning_ckpt.integrations.held_training import held_training
 from lightning_ckpt.integrations.muted_logging import muted_logging
 from lightning_ckpt.integrations.strategy_hooks import profiling_context
 from lightning_ckpt.planning.linear_fit import Profile
 from lightning_ckpt.planning.machine_rates import MachineRates
-from lightning_ckpt.profiling.batch import batch_size_of
 from lightning_ckpt.profiling.gather import with_recompute_gather
 from lightning_ckpt.profiling.profiler import profile_model
 
@@ -31,24 +31,7 @@ LINEAR_FIT_TOLERANCE = 0.05  # relative miss at the check size above which the f
 
 def probe_sizes(batch: Any, probes: tuple[int, int], check: int | None) -> int | None:
     """Check the probe sizes against the batch they slice; -> the check size to use (None: skip it)."""
-    n = batch_size_of(batch)
-    if n < 2:
-        raise ValueError(
-            f"the first training batch has {n} sample(s); profiling fits a line through two batch sizes, so it "
-            "needs at least 2. Train with a batch of 2 or more samples."
-        )
-    if max(probes) > n:
-        raise ValueError(
-            f"probe_batch_sizes={probes} but the first training batch has {n} samples; the probes are slices of "
-            f"that batch. Set probe_batch_sizes to two sizes <= {n}, e.g. (1, 2)."
-        )
-    if check is not None and check > n:
-        rank_zero_info(
-            f"lightning-ckpt: check_batch_size={check} is larger than the first training batch ({n} samples), so "
-            f"the fitted line is not checked; set check_batch_size <= {n} to check it, or None to silence this."
-        )
-        return None
-    return check
+    return checked_size(batch, probes, check, rank_zero_info, "the first training batch")
 
 
 def profile_first_batch(

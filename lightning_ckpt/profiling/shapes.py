@@ -37,6 +37,11 @@ class BatchShape:
         i, d = position
         return self.shapes[i][d]
 
+    def with_batch_size(self, batch_size: int) -> "BatchShape":
+        """The same shape at another batch size (each tensor's leading batch dimension resized)."""
+        n = self.batch_size
+        return BatchShape(batch_size, tuple(((batch_size, *s[1:]) if s and s[0] == n else s) for s in self.shapes))
+
     def describe(self) -> str:
         """E.g. ``batch 16, tensors [16, 128], [16, 128], [16]``."""
         tensors = ", ".join("[" + ", ".join(str(s) for s in shape) + "]" for shape in self.shapes)

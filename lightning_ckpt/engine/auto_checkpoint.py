@@ -1,0 +1,212 @@
+"""`auto_checkpoint`: the callback's planning for a loop you write yourself (plain PyTorch or Fabric).
+
+    handle = auto_checkpoint(model, "6GiB", example_batch=batch, step_fn=lambda b: loss_fn(model, b),
+                             optimizer=opt)
+    for batch in loader:
+        handle.step(batch)                # the plan for this batch's shape (cached after the first)
+        step_fn(batch).backward(); opt.step(); opt.zero_grad()
+    handle.remove()                       # or `with auto_checkpoint(...) as handle:`
+
+`step_fn(batch)` runs the forward and returns the loss; while profiling the library runs its
+backward and puts back every gradient, buffer and RNG stream, so the loop's losses are those of
+the same loop without it. Arguments, defaults and errors are the callback's (`cost_metric="time"`).
+
+A training forward whose inputs are larger in some size than any planned one, with no
+`handle.step(batch)` before it, is refused before it runs (`check_shapes`): its plan was never made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from lightning_ckpt.engine import arguments
+from lightning_ckpt.engine.checkpoint_engine import CheckpointEngine, EngineSettings
+from lightning_ckpt.engine.plain_driver import PlainDriver, StepFn
+from lightning_ckpt.planning.plan import Plan
+from lightning_ckpt.profiling.blocks import resolve_blocks
+from lightning_ckpt.profiling.shapes import BatchShape, shape_of
+from lightning_ckpt.profiling.static_memory import KNOWN_OPTIMIZERS
+from lightning_ckpt.report import plan_summary
+from lightning_ckpt.units import parse_bytes
+
+
+class CheckpointHandle:
+    """The plan applied by `auto_checkpoint`: `plan`, `batch_size`, `step(batch)`, `remove()`."""
+
+    def __init__(self, engine: CheckpointEngine, driver: PlainDriver, check_shapes: bool, verbose: bool) -> None:
+        self.engine, self._driver, self._verbose = engine, driver, verbose
+        self._inputs: list[BatchShape] = []  # model-input shapes of the planned steps
+        self._expect = True  # the next training forward is a planned step's: record its inputs
+        self._hook = driver.model.register_forward_pre_hook(self._guard, with_kwargs=True) if check_shapes else None
+
+    @property
+    def plan(self) -> Plan | None:
+        """The applied plan (for the shape of the last `step`)."""
+        return self.engine.plan
+
+    @property
+    def batch_size(self) -> int | None:
+        """The batch size planned for (with ``target_batch_size="max"``: the largest that fits)."""
+        return None if self.engine.plan is None else self.engine.plan.batch_size
+
+    @property
+    def plans(self) -> dict[BatchShape, Plan]:
+        return self.engine.plans
+
+    @property
+    def block_names(self) -> list[str]:
+        return self.engine.block_names
+
+    def step(self, batch: Any) -> Plan:
+        """Apply the plan for `batch`'s shape before its step (profiled and planned the first time a
+        shape comes, cached after); collective under `torch.distributed`: call it on every rank."""
+        decision = self.engine.step(batch)
+        if decision is not None:
+            self._expect = True
+            if decision.new and self._verbose:
+                self._driver.info(self.engine.describe(decision))
+        return self.engine.plan
+
+    __call__ = step
+
+    def remove(self) -> None:
+        """Undo everything: no hook of the library is left on any module."""
+        self.engine.remove()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def __enter__(self) -> CheckpointHandle:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def _guard(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._driver.profiling or not torch.is_grad_enabled() or not module.training:
+            return
+        shape = shape_of((args, kwargs))
+        if self._expect:
+            self._inputs.append(shape)
+            self._expect = False
+            return
+        if any(_within(shape, planned) for planned in self._inputs):
+            return
+        raise RuntimeError(
+            f"a training forward of {type(module).__name__} with inputs of shape ({shape.describe()}), larger than "
+            f"the planned steps' ({'; '.join(s.describe() for s in self._inputs)}), and no plan was made for it. "
+            "Call handle.step(batch) before each training step, so that each new batch shape is planned within "
+            "the budget first (or pass check_shapes=False to auto_checkpoint to run unchecked)."
+        )
+
+
+def _within(shape: BatchShape, planned: BatchShape) -> bool:
+    return shape.same_layout(planned) and all(
+        a <= b for sa, sb in zip(shape.shapes, planned.shapes) for a, b in zip(sa, sb)
+    )
+
+
+def auto_checkpoint(
+    model: nn.Module,
+    memory_budget: int | str | None,
+    *,
+    example_batch: Any,
+    step_fn: StepFn,
+    optimizer: torch.optim.Optimizer | None = None,
+    blocks: str | list[str] | None = None,
+    target_batch_size: int | Literal["max"] | None = None,
+    policy: str = "optimal",
+    every_k: int | None = None,
+    cost_metric: Literal["flops", "ms", "time"] = "time",
+    granularity: Literal["block", "op"] = "block",
+    max_levels: int = 2,
+    probe_batch_sizes: tuple[int, int] = (1, 2),
+    check_batch_size: int | None = 4,
+    guard_batchnorm: bool = True,
+    batch_multiple: int = 1,
+    optimizer_state_bytes: int | None = None,
+    accumulate_grad_batches: int = 1,
+    check_shapes: bool = True,
+    verbose: bool = True,
+    info: Callable[[str], None] = print,
+) -> CheckpointHandle:
+    """Profile `step_fn` on slices of `example_batch`, plan within `memory_budget` and apply the plan.
+
+    Args:
+        model: the module whose blocks are checkpointed; a Fabric module (after `fabric.setup`), DDP or
+            compiled wrapper is seen through, and block paths are those of your own module.
+        memory_budget: per-device peak allowed for the whole step, bytes or e.g. ``"6GiB"``; None: 90%
+            of the CUDA memory free now (on CPU it must be given).
+        example_batch: a batch as your loader gives it; profiling runs on slices of it.
+        step_fn: ``step_fn(batch) -> loss``: the forward of one training step (not its backward).
+        optimizer: the optimizer your loop steps; its state is counted before it exists (Adam, AdamW,
+            SGD, RMSprop, Adagrad; others need `optimizer_state_bytes`). None: no optimizer state.
+        target_batch_size: None: the example batch's size; an int: plan for that size from the
+            example's profile; ``"max"``: the largest batch (a multiple of `batch_multiple`) that fits,
+            then `handle.batch_size`.
+        accumulate_grad_batches: > 1 when gradients of earlier micro-batches are alive in the step.
+        check_shapes: refuse a training forward larger than any planned one that `handle.step` did not plan.
+        info: where messages go (rank 0 only).
+        The other arguments are `ActivationCheckpointing`'s.
+    """
+    arguments.check_target(example_batch_size(example_batch) if target_batch_size is None else target_batch_size,
+                           batch_multiple)
+    arguments.check_policy(policy, every_k, cost_metric, granularity, max_levels)
+    blocks = arguments.check_blocks(blocks)
+    probes = arguments.check_probes(probe_batch_sizes, check_batch_size)
+    arguments.positive_int(accumulate_grad_batches, "accumulate_grad_batches", "1 when every step steps the optimizer.")
+    if not callable(step_fn):
+        raise TypeError(f"step_fn={step_fn!r} is not callable; pass a function batch -> loss (the step's forward).")
+    driver = PlainDriver(model, step_fn, optimizer, optimizer_state_bytes, accumulate_grad_batches > 1, info=info)
+    _check_optimizer(driver.optimizer, optimizer_state_bytes)
+    budget = arguments.resolve_budget(
+        None if memory_budget is None else parse_bytes(memory_budget, "memory_budget"), _device_of(driver.model)
+    )
+    _, names, modules = resolve_blocks(driver.model, blocks)
+    settings = EngineSettings(
+        budget, policy, every_k, cost_metric, granularity, max_levels, probes, check_batch_size, guard_batchnorm,
+        batch_multiple,
+    )
+    engine = CheckpointEngine(settings, driver)
+    engine.bind(modules, names)
+    shape = shape_of(example_batch)
+    if target_batch_size == "max":
+        best = engine.plan_max(example_batch).batch_size
+        engine.step_shape(shape.with_batch_size(best))
+    elif target_batch_size is None or target_batch_size == shape.batch_size:
+        engine.step(example_batch)
+    else:
+        engine.prime(example_batch)
+        engine.step_shape(shape.with_batch_size(int(target_batch_size)))
+    if verbose:
+        driver.info(plan_summary(engine.plan))
+    return CheckpointHandle(engine, driver, check_shapes, verbose)
+
+
+def example_batch_size(batch: Any) -> int:
+    from lightning_ckpt.profiling.batch import batch_size_of
+
+    return batch_size_of(batch)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer | None, state_bytes: int | None) -> None:
+    """An optimizer whose state cannot be sized before it exists is refused, unless its size is given."""
+    if optimizer is None or state_bytes is not None or optimizer.state:
+        return
+    if not isinstance(optimizer, KNOWN_OPTIMIZERS):
+        known = ", ".join(k.__name__ for k in KNOWN_OPTIMIZERS)
+        raise ValueError(
+            f"optimizer={type(optimizer).__name__} has no state yet and lightning-ckpt cannot tell how much it will "
+            f"keep (it sizes {known} before their first step). Pass optimizer_state_bytes= its state's size in "
+            "bytes, or run one optimizer step before auto_checkpoint so that its state exists and is measured."
+        )

@@ -1,0 +1,175 @@
+"""The engine's `StepDriver` for a loop the user writes: plain PyTorch, or Fabric after `fabric.setup`.
+
+A step is the user's `step_fn(batch)`, which returns the loss; profiling runs its backward and puts
+every state back (`profiling.profiler`). Wrappers are seen through: Fabric's `_FabricModule`,
+`DistributedDataParallel` (profiling runs inside its `no_sync`, so no gradient is reduced) and a
+Fabric optimizer. With `torch.distributed` initialised (Fabric, torchrun) rank 0 plans and every
+rank takes its plan; collectives are `torch.distributed`'s object collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_ckpt.apply import AppliedPlan, apply_segments
+from lightning_ckpt.planning.linear_fit import Profile
+from lightning_ckpt.planning.machine_rates import MachineRates
+from lightning_ckpt.planning.plan import Plan
+from lightning_ckpt.profiling.batch import batch_size_of
+from lightning_ckpt.profiling.profiler import profile_model
+from lightning_ckpt.profiling.state import unchanged_parameters
+from lightning_ckpt.profiling.static_memory import StaticMemory, static_memory
+
+StepFn = Callable[[Any], torch.Tensor]
+
+
+def unwrap_module(model: nn.Module) -> nn.Module:
+    """The user's module under Fabric's wrapper, DDP and `torch.compile`."""
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        inner = None
+        if type(model).__name__ == "_FabricModule":
+            inner = getattr(model, "_original_module", None) or getattr(model, "module", None)
+        elif isinstance(model, nn.parallel.DistributedDataParallel):
+            inner = model.module
+        elif hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
+            inner = model._orig_mod
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+    return model
+
+
+def ddp_module(model: nn.Module) -> nn.parallel.DistributedDataParallel | None:
+    """The `DistributedDataParallel` in `model`'s wrappers, if any."""
+    for m in (model, getattr(model, "_forward_module", None), getattr(model, "module", None)):
+        if isinstance(m, nn.parallel.DistributedDataParallel):
+            return m
+    return None
+
+
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The torch optimizer under Fabric's `_FabricOptimizer` (None stays None)."""
+    while optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None or inner is optimizer:
+            raise TypeError(
+                f"optimizer={type(optimizer).__name__} is not a torch.optim.Optimizer (nor a wrapper with one in "
+                "`.optimizer`); pass the optimizer your loop steps, or optimizer_state_bytes= its state's size."
+            )
+        optimizer = inner
+    return optimizer
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class PlainDriver:
+    """Profiling through `step_fn`, static memory from the module and the optimizer, collectives of
+    `torch.distributed` when it is initialised; messages through `info` / `warn`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        step_fn: StepFn,
+        optimizer: torch.optim.Optimizer | None,
+        optimizer_state_bytes: int | None = None,
+        grads_accumulate: bool = False,
+        info: Callable[[str], None] = print,
+        warn: Callable[[str], None] | None = None,
+    ) -> None:
+        self.wrapped, self.model = model, unwrap_module(model)
+        self.step_fn, self.optimizer = step_fn, unwrap_optimizer(optimizer)
+        self.optimizer_state_bytes = optimizer_state_bytes
+        self.grads_accumulate = grads_accumulate
+        self._info, self._warn = info, warn
+        self.profiling = False  # True while a profile runs (the front end's shape guard stays quiet)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if distributed() else 0
+
+    def profile(
+        self, batch: Any, blocks: list[nn.Module], names: list[str], *, batch_idx: int,
+        probes: tuple[int, int], check: int | None, rates: MachineRates | None, calibrate_keeps: bool,
+    ) -> Profile:
+        check = checked_size(batch, probes, check, self.info)
+        ddp = ddp_module(self.wrapped)
+        self.profiling = True
+        try:
+            with unchanged_parameters(self.model), (ddp.no_sync() if ddp is not None else contextlib.nullcontext()):
+                return profile_model(
+                    self.model, blocks, self.step_fn, batch, probes, check, names=names,
+                    calibrate_keeps=calibrate_keeps, rates=rates,
+                )
+        finally:
+            self.profiling = False
+
+    def static_memory(self) -> StaticMemory:
+        static = static_memory(self.model, [] if self.optimizer is None else [self.optimizer])
+        if self.optimizer_state_bytes is not None:
+            import dataclasses
+
+            static = dataclasses.replace(static, optimizer_state_bytes=self.optimizer_state_bytes)
+        return static
+
+    def broadcast(self, obj: Any) -> Any:
+        if not distributed():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if not distributed():
+            return [obj]
+        found: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(found, obj)
+        return found
+
+    def apply(self, blocks: list[nn.Module], names: list[str], plan: Plan, guard_batchnorm: bool) -> AppliedPlan:
+        return apply_segments(
+            blocks, plan.segments, guard_batchnorm=guard_batchnorm, keep_ops=plan.keep_ops,
+            inner_segments=plan.inner_segments,
+        )
+
+    def info(self, message: str) -> None:
+        if self.rank == 0:
+            self._info(message)
+
+    def warn(self, message: str) -> None:
+        if self.rank == 0:
+            (self._warn or (lambda m: warnings.warn(m, stacklevel=3)))(message)
+
+
+def checked_size(
+    batch: Any, probes: tuple[int, int], check: int | None, info: Callable[[str], None], what: str = "the batch"
+) -> int | None:
+    """The probe sizes checked against `what` they slice; -> the check size to use (None: skip it)."""
+    n = batch_size_of(batch)
+    if n < 2:
+        raise ValueError(
+            f"{what} has {n} sample(s); profiling fits a line through two batch sizes, so it needs at "
+            "least 2. Use a batch of 2 or more samples."
+        )
+    if max(probes) > n:
+        raise ValueError(
+            f"probe_batch_sizes={probes} but {what} has {n} samples; the probes are slices of that batch. "
+            f"Set probe_batch_sizes to two sizes <= {n}, e.g. (1, 2)."
+        )
+    if check is not None and check > n:
+        info(
+            f"lightning-ckpt: check_batch_size={check} is larger than {what} ({n} samples), so the fitted "
+            f"line is not checked; set check_batch_size <= {n} to check it, or None to silence this."
+        )
+        return None
+    return check
