@@ -24,7 +24,7 @@ from lightning_ckpt.planning.machine_rates import MachineRates
 from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.profiling.batch import batch_size_of
 from lightning_ckpt.profiling.profiler import profile_model
-from lightning_ckpt.profiling.state import unchanged_parameters
+from lightning_ckpt.profiling.state import preserved_rng, unchanged_parameters
 from lightning_ckpt.profiling.static_memory import StaticMemory, static_memory
 
 StepFn = Callable[[Any], torch.Tensor]
@@ -106,7 +106,8 @@ class PlainDriver:
         ddp = ddp_module(self.wrapped)
         self.profiling = True
         try:
-            with unchanged_parameters(self.model), (ddp.no_sync() if ddp is not None else contextlib.nullcontext()):
+            no_sync = ddp.no_sync() if ddp is not None else contextlib.nullcontext()
+            with preserved_rng(), unchanged_parameters(self.model), no_sync:  # the RNG as found, whatever profiling ran
                 return profile_model(
                     self.model, blocks, self.step_fn, batch, probes, check, names=names,
                     calibrate_keeps=calibrate_keeps, rates=rates,
