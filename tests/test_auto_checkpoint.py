@@ -213,6 +213,8 @@ def test_bad_input_is_refused_with_what_to_do():
         auto_checkpoint(model, 10**9, optimizer=Lion(model.parameters()), **kw)
     with auto_checkpoint(model, 10**9, optimizer=Lion(model.parameters()), optimizer_state_bytes=1000, **kw) as h:
         assert h.plan.fits
+    with pytest.raises(ValueError, match=r"got a compiled model .* Call auto_checkpoint on the uncompiled model"):
+        auto_checkpoint(torch.compile(model), 10**9, **kw)
     with pytest.raises(ValueError, match=r"probe_batch_sizes=\(8, 16\) but the batch has 8 samples"):
         auto_checkpoint(model, 10**9, probe_batch_sizes=(8, 16), **kw)
     assert _hooks(model) == 0

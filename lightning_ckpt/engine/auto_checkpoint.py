@@ -167,6 +167,7 @@ def auto_checkpoint(
         None if memory_budget is None else parse_bytes(memory_budget, "memory_budget"), _device_of(driver.model)
     )
     _, names, modules = resolve_blocks(driver.model, blocks)
+    _refuse_compiled(model, driver.model, modules)
     settings = EngineSettings(
         budget, policy, every_k, cost_metric, granularity, max_levels, probes, check_batch_size, guard_batchnorm,
         batch_multiple,
@@ -197,6 +198,18 @@ def _device_of(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
+
+
+def _refuse_compiled(model: nn.Module, module: nn.Module, blocks: list[nn.Module]) -> None:
+    from lightning_ckpt.apply_compiled import compiled_modules
+
+    found = compiled_modules(module, blocks) + (["the model"] if model is not module and hasattr(model, "_orig_mod") else [])
+    if found:
+        raise ValueError(
+            f"auto_checkpoint got a compiled model ({', '.join(found)}); in a plain loop it plans and applies eager "
+            "blocks only. Call auto_checkpoint on the uncompiled model and train it eagerly, or train with the "
+            "Lightning callback, which plans and applies checkpoint regions inside compiled graphs."
+        )
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer | None, state_bytes: int | None) -> None:
