@@ -74,8 +74,8 @@ class CheckpointHandle:
     __call__ = step
 
     def remove(self) -> None:
-        """Undo everything: no hook of the library is left on any module."""
-        self.engine.remove()
+        """Undo everything: no hook of the library is left on any module, the model's settings are back."""
+        self.engine.close()
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -130,6 +130,7 @@ def auto_checkpoint(
     batch_multiple: int = 1,
     optimizer_state_bytes: int | None = None,
     accumulate_grad_batches: int = 1,
+    keep_hf_checkpointing: bool = False,
     check_shapes: bool = True,
     verbose: bool = True,
     info: Callable[[str], None] = print,
@@ -149,6 +150,7 @@ def auto_checkpoint(
             example's profile; ``"max"``: the largest batch (a multiple of `batch_multiple`) that fits,
             then `handle.batch_size`.
         accumulate_grad_batches: > 1 when gradients of earlier micro-batches are alive in the step.
+        keep_hf_checkpointing: leave the model's own (HF) gradient checkpointing in charge (no plan applied).
         check_shapes: refuse a training forward larger than any planned one that `handle.step` did not plan.
         info: where messages go (rank 0 only).
         The other arguments are `ActivationCheckpointing`'s.
@@ -170,10 +172,21 @@ def auto_checkpoint(
     _refuse_compiled(model, driver.model, modules)
     settings = EngineSettings(
         budget, policy, every_k, cost_metric, granularity, max_levels, probes, check_batch_size, guard_batchnorm,
-        batch_multiple,
+        batch_multiple, keep_hf_checkpointing,
     )
     engine = CheckpointEngine(settings, driver)
-    engine.bind(modules, names)
+    engine.bind(modules, names, model=driver.model)  # HF caches off until `remove` (`model_compat`)
+    try:
+        _plan_first(engine, example_batch, target_batch_size)
+    except BaseException:
+        engine.close()  # nothing of it is left on the model
+        raise
+    if verbose:
+        driver.info(plan_summary(engine.plan))
+    return CheckpointHandle(engine, driver, check_shapes, verbose)
+
+
+def _plan_first(engine: CheckpointEngine, example_batch: Any, target_batch_size: int | str | None) -> None:
     shape = shape_of(example_batch)
     if target_batch_size == "max":
         best = engine.plan_max(example_batch).batch_size
@@ -183,9 +196,6 @@ def auto_checkpoint(
     else:
         engine.prime(example_batch)
         engine.step_shape(shape.with_batch_size(int(target_batch_size)))
-    if verbose:
-        driver.info(plan_summary(engine.plan))
-    return CheckpointHandle(engine, driver, check_shapes, verbose)
 
 
 def example_batch_size(batch: Any) -> int:

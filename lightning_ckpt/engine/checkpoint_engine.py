@@ -24,6 +24,7 @@ import torch
 
 from lightning_ckpt.apply import AppliedPlan
 from lightning_ckpt.engine.rank_zero import plan_on_rank_zero
+from lightning_ckpt.model_compat import Prepared, explain_checkpoint_error, prepare_model
 from lightning_ckpt.engine.target_plan import PlanRequest, plan_for_max, plan_for_target
 from lightning_ckpt.planning.costs import StepCost
 from lightning_ckpt.planning.linear_fit import Profile
@@ -51,6 +52,7 @@ class EngineSettings:
     check_batch_size: int | None = 4
     guard_batchnorm: bool = True
     batch_multiple: int = 1
+    keep_hf_checkpointing: bool = False  # leave a model's own (HF) activation checkpointing in charge
 
     def request(self) -> PlanRequest:
         return PlanRequest(
@@ -104,6 +106,7 @@ class CheckpointEngine:
         self.signature: list | None = None
         self.resume_with: Callable[[], Any] | None = None  # once, before the first plan: a resumed plan or None
         self._shapes: ShapePlans | None = None
+        self._prepared: Prepared | None = None  # what `model_compat.prepare_model` changed for this fit
         self._applied: AppliedPlan | None = None
         self._static: StaticMemory | None = None
         self._costs: dict[BatchShape, StepCost] = {}
@@ -115,10 +118,15 @@ class CheckpointEngine:
 
     # ------------------------------------------------------------------ binding and state
 
-    def bind(self, blocks: list[torch.nn.Module], names: list[str], settings: EngineSettings | None = None) -> None:
+    def bind(
+        self, blocks: list[torch.nn.Module], names: list[str], settings: EngineSettings | None = None,
+        model: torch.nn.Module | None = None,
+    ) -> None:
         """Plan these blocks from now on: what was profiled is kept while the blocks are the same;
-        plans are made again (the budget, the optimizer or the settings may have changed)."""
-        self.remove()
+        plans are made again (the budget, the optimizer or the settings may have changed). With `model`
+        (the module the blocks belong to), what makes its recompute differ from its forward is turned
+        off until `close` (`model_compat.prepare_model`: HF's `use_cache`, HF's own checkpointing)."""
+        self.close()
         signature = block_signature(names, blocks)
         if self._shapes is None or signature != self.signature:  # other blocks: what was profiled is void
             self.profile, self._costs, self._cost = None, {}, None
@@ -127,6 +135,21 @@ class CheckpointEngine:
         self.settings = settings or self.settings
         self.blocks, self.block_names, self.signature = list(blocks), list(names), signature
         self._static, self.shape = None, None
+        if model is not None:
+            self._prepared = prepare_model(
+                model, keep_hf_checkpointing=self.settings.keep_hf_checkpointing, warn=self.driver.warn
+            )
+
+    def close(self) -> None:
+        """Remove the applied plan and put back what `bind` changed on the model."""
+        self.remove()
+        if self._prepared is not None:
+            self._prepared.restore()
+            self._prepared = None
+
+    def explain(self, err: BaseException, model: torch.nn.Module | None = None) -> BaseException:
+        """`err` made clear when it came from a recompute that did not repeat its forward (else `err`)."""
+        return explain_checkpoint_error(err, model) if self.applied else err
 
     @property
     def cost(self) -> StepCost | None:
@@ -184,7 +207,7 @@ class CheckpointEngine:
         self._require_bound()
         shapes = self.driver.all_gather(shape_of(batch))  # every rank's, so that all decide alike
         shape = shapes[0] if len(set(shapes)) == 1 else largest_shape(shapes)
-        if self._applied is not None and shape == self.shape:
+        if self._in_place(shape):
             return None
         decision = self._plan_everywhere(batch, batch_idx, shapes)
         self._switch_to(decision, shape)
@@ -203,7 +226,7 @@ class CheckpointEngine:
         """Make the plan for `shape` the applied one, from what was profiled (no batch needed: a
         profiled shape at another batch size); None when it already is."""
         self._require_bound()
-        if self._applied is not None and shape == self.shape:
+        if self._in_place(shape):
             return None
         hit = self._shapes.cached(shape)
         if hit is not None:
@@ -214,13 +237,21 @@ class CheckpointEngine:
         self._switch_to(decision, shape)
         return decision
 
+    def _in_place(self, shape: BatchShape) -> bool:
+        """The plan for `shape` is the one in effect (applied, or planned only while the model's own
+        checkpointing stays in charge)."""
+        kept_off = self._prepared is not None and not self._prepared.may_apply
+        return shape == self.shape and self.plan is not None and (self._applied is not None or kept_off)
+
     def _require_bound(self) -> None:
         if self._shapes is None:
             raise RuntimeError("the engine has no blocks yet: call bind(blocks, names) first.")
 
     def _switch_to(self, decision: ShapeDecision, shape: BatchShape) -> None:
         plan = decision.plan
-        if self._applied is None or not same_regions(plan, self.plan):
+        if self._prepared is not None and not self._prepared.may_apply:
+            pass  # the model's own checkpointing stays in charge (keep_hf_checkpointing): planned, not applied
+        elif self._applied is None or not same_regions(plan, self.plan):
             self.remove()
             self._applied = self.driver.apply(self.blocks, self.block_names, plan, self.settings.guard_batchnorm)
         self.plan, self.shape = plan, shape

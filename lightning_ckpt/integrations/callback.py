@@ -51,20 +51,17 @@ class ActivationCheckpointing(Callback):
         policy: ``optimal`` (least recompute that fits), ``greedy``, ``sqrt``, ``every_k``,
             ``full`` or ``none``.
         every_k: blocks per segment for ``policy="every_k"``; None picks the smallest k that fits.
-        cost_metric: what recompute is measured in when choosing: ``time`` (the default;
-            estimated ms: the counted FLOPs, bytes written by ops without FLOPs and random
-            bytes, each at a rate measured once on this device; see `lightning_ckpt.profiling.rates`),
-            ``flops`` (FLOPs counted by torch: independent of the machine, but layer norm,
-            softmax, GELU and dropout count 0, so blocks made of them look free) or ``ms``
-            (each block's forward timed once while profiling: noisy).
+        cost_metric: what recompute is measured in: ``time`` (the default: counted FLOPs, bytes written by
+            ops without FLOPs and random bytes, each at a rate measured on this device; `profiling.rates`),
+            ``flops`` (machine-independent, but norms, softmax, GELU and dropout count 0) or ``ms`` (each
+            block's forward timed once while profiling: noisy).
         granularity: ``block`` checkpoints whole blocks; ``op`` (with ``policy="optimal"``) also lets a
             block checkpointed alone keep some op outputs (matmuls, dropout masks) and recompute the rest.
         max_levels: how deep ``policy="optimal"`` may nest segments: 1 plans single-level segments; 2 (the
             default) lets a segment's recompute checkpoint inner segments of its own, used only when that
             fits a budget nothing single-level fits or recomputes less (docs/usage.md, multi-level plans).
         batch_arg_name: attribute holding the loader's batch size (module, hparams or datamodule).
-        probe_batch_sizes: the two small batch sizes profiled, slices of the first training batch
-            (so at most its size); bytes are fitted as a line in them.
+        probe_batch_sizes: the two small slices of the first training batch profiled (a line in the batch).
         check_batch_size: a third size that checks the line (None, or larger than the first batch: skipped).
         guard_batchnorm: keep BatchNorm statistics from being updated by a recompute.
         verbose: print the plan table on rank 0.
@@ -78,6 +75,8 @@ class ActivationCheckpointing(Callback):
         tune_allocator: for the fit, make the memory the OS or GPU sees follow the tensors. None (the
             default): on CUDA only (``expandable_segments``, cheap); True: on CPU too (glibc malloc thresholds,
             which slow CPU steps; see docs/memory.md); False: never.
+        keep_hf_checkpointing: leave a model's own (HF) gradient checkpointing in charge (no plan is
+            applied); by default it is turned off for the fit, ours applied, and turned back on at the end.
     """
 
     POLICIES = POLICIES
@@ -103,6 +102,7 @@ class ActivationCheckpointing(Callback):
         report: bool = True,
         plan_only: bool = False,
         tune_allocator: bool | None = None,
+        keep_hf_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         arguments.check_target(target_batch_size, batch_multiple)
@@ -113,6 +113,7 @@ class ActivationCheckpointing(Callback):
             policy=policy, every_k=every_k, cost_metric=cost_metric, granularity=granularity, max_levels=max_levels,
             probe_batch_sizes=arguments.check_probes(probe_batch_sizes, check_batch_size),
             check_batch_size=check_batch_size, guard_batchnorm=guard_batchnorm, batch_multiple=batch_multiple,
+            keep_hf_checkpointing=keep_hf_checkpointing,
         )
         self.target_batch_size, self.policy, self.granularity, self.max_levels = target_batch_size, policy, granularity, max_levels
         self.cost_metric, self.batch_arg_name, self.verbose, self.strict_resume = cost_metric, batch_arg_name, verbose, strict_resume
@@ -152,7 +153,7 @@ class ActivationCheckpointing(Callback):
         if self.engine is None:
             self.engine = CheckpointEngine(settings, LightningDriver(trainer))
         self.engine.driver = LightningDriver(trainer)
-        self.engine.bind(blocks, names, settings)
+        self.engine.bind(blocks, names, settings, model=pl_module)  # HF caches off for the fit (`model_compat`)
         self.engine.resume_with = self._resumed_plan
         self._planned_in_fit, self.measured_peaks = False, {}
         if self.target_batch_size == "max":  # profile one batch of the current loader, plan the largest
@@ -193,11 +194,14 @@ class ActivationCheckpointing(Callback):
             self._fit_memory.restore()  # the allocator as it was before this fit
             self._fit_memory = None
         if self.engine is not None:
-            self.engine.remove()
+            self.engine.close()  # the plan off, the model's settings back
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        explained = exception if self.engine is None else self.engine.explain(exception, pl_module)
         self.teardown(trainer, pl_module, "fit")  # Lightning skips the `teardown` hooks when fit raises
+        if explained is not exception:  # a recompute that did not repeat its forward: its likely cause and fix
+            raise explained from exception
 
     @override
     def state_dict(self) -> dict[str, Any]:
