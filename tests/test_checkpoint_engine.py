@@ -1,0 +1,152 @@
+"""`CheckpointEngine` under a driver written here: what it asks of a front end, when it plans,
+applies, switches and undoes, and what a rank other than 0 does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import TinyChain, tokens_batch
+
+from lightning_ckpt import CheckpointEngine, EngineSettings
+from lightning_ckpt.apply import apply_segments
+from lightning_ckpt.profiling.blocks import resolve_blocks
+from lightning_ckpt.profiling.profiler import profile_model
+from lightning_ckpt.profiling.static_memory import static_memory
+
+
+class Driver:
+    """A single process (or, with `rank` and `shared`, one rank whose broadcast returns `shared`)."""
+
+    def __init__(self, model, rank: int = 0, shared=None) -> None:
+        self.model, self.rank, self.shared = model, rank, shared
+        self.grads_accumulate = False
+        self.profiled, self.applied, self.messages, self.broadcasts = [], [], [], []
+
+    def profile(self, batch, blocks, names, *, batch_idx, probes, check, rates, calibrate_keeps):
+        self.profiled.append(tuple(batch[0].shape))
+        return profile_model(self.model, blocks, self.loss, batch, probes, check, names=names, timing=False)
+
+    def loss(self, batch):
+        return F.cross_entropy(self.model(batch[0]), batch[1])
+
+    def static_memory(self):
+        return static_memory(self.model)
+
+    def broadcast(self, obj):
+        self.broadcasts.append(obj)
+        return obj if self.shared is None else self.shared
+
+    def all_gather(self, obj):
+        return [obj]
+
+    def apply(self, blocks, names, plan, guard_batchnorm):
+        self.applied.append(plan.segments)
+        return apply_segments(blocks, plan.segments, guard_batchnorm=guard_batchnorm)
+
+    def info(self, message):
+        self.messages.append(message)
+
+    warn = info
+
+
+def _engine(budget: int = 10**9, policy: str = "full", rank: int = 0, shared=None):
+    torch.manual_seed(0)
+    model = TinyChain(n_blocks=4, d=16)
+    _, names, blocks = resolve_blocks(model, "blocks")
+    driver = Driver(model, rank, shared)
+    engine = CheckpointEngine(EngineSettings(budget, policy=policy, cost_metric="flops"), driver)
+    engine.bind(blocks, names)
+    return engine, driver
+
+
+def _hooks(model) -> int:
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+
+def test_a_shape_is_profiled_and_planned_once_and_switched_when_it_changes():
+    engine, driver = _engine()
+    short, long = tokens_batch(8, 12), tokens_batch(8, 20)
+    first = engine.step(short)
+    assert first is not None and first.new and engine.plan.segments == ((0, 0), (1, 1), (2, 2), (3, 3))
+    assert engine.step(short) is None  # the applied plan is this shape's: nothing to do
+    assert engine.step(long) is not None and (8, 20) in driver.profiled  # (and prefixes of it, for the fit)
+    applied = len(driver.applied)  # profiling ran without the plan: it was applied again after
+    again = engine.step(short)
+    assert again is not None and not again.new  # cached: not profiled again, regions kept (same plan)
+    assert len(driver.applied) == applied and len(engine.plans) == 2  # `full` at both: the hooks stayed as they were
+    engine.remove()
+    assert _hooks(driver.model) == 0 and not engine.applied
+
+
+def test_other_blocks_void_what_was_profiled_and_the_same_blocks_keep_it():
+    engine, driver = _engine()
+    batch = tokens_batch(8, 12)
+    engine.step(batch)
+    runs = engine.profile_runs
+    engine.bind(engine.blocks, engine.block_names)  # the same blocks (a second fit): the profile is kept
+    engine.step(batch)
+    assert engine.profile_runs == runs and engine.profile is not None
+    engine.bind(engine.blocks[:3], engine.block_names[:3])  # other blocks: profiled again
+    assert engine.profile is None
+    engine.step(batch)
+    assert engine.profile_runs == 1 and len(engine.plan.segments) == 3
+    engine.close()
+
+
+def test_a_rank_other_than_zero_plans_nothing_and_applies_rank_zero_s_plan():
+    from lightning_ckpt.engine.rank_zero import PlanningOutcome
+
+    reference, _ = _engine(policy="full")
+    batch = tokens_batch(8, 12)
+    reference.step(batch)
+    shared = PlanningOutcome(plan=reference.plan.to_dict())
+    reference.close()
+    engine, driver = _engine(policy="none", rank=1, shared=shared)  # its own policy would keep everything
+    engine.step(batch)
+    assert driver.broadcasts == [PlanningOutcome(plan=None)]  # it profiled, planned nothing, took rank 0's
+    assert engine.plan.segments == reference.plan.segments and driver.profiled
+    engine.close()
+
+
+def test_rank_zero_s_error_is_raised_on_every_rank():
+    from lightning_ckpt import InfeasibleBudgetError
+    from lightning_ckpt.engine.rank_zero import PlanningOutcome
+
+    failed = PlanningOutcome.of_error(InfeasibleBudgetError("target_batch_size=8 cannot fit"))
+    engine, _ = _engine(rank=1, shared=failed)
+    with pytest.raises(InfeasibleBudgetError, match="target_batch_size=8 cannot fit"):
+        engine.step(tokens_batch(8, 12))
+    engine, _ = _engine(budget=1)  # rank 0 itself
+    with pytest.raises(InfeasibleBudgetError, match=r"the training batch of shape \(batch 8, .*not even batch size 1 fits"):
+        engine.step(tokens_batch(8, 12))
+
+
+def test_a_plan_made_elsewhere_on_the_blocks_is_refused():
+    engine, driver = _engine()
+    outside = apply_segments(engine.blocks, [(0, 1)])
+    with pytest.raises(ValueError, match=r"cannot profile the blocks: 2 block\(s\) already run under an applied plan"):
+        engine.step(tokens_batch(8, 12))
+    outside.remove()
+    engine.step(tokens_batch(8, 12))
+    assert engine.applied
+    engine.close()
+
+
+def test_the_model_s_own_checkpointing_kept_in_charge_applies_nothing(monkeypatch):
+    """With keep_hf_checkpointing and a model whose own checkpointing is on, plans are made, not applied."""
+    from lightning_ckpt.model_compat import Prepared
+
+    engine, driver = _engine()
+    kept = Prepared(hf_checkpointing="every layer", hf_checkpointing_kept=True)
+    monkeypatch.setattr("lightning_ckpt.engine.checkpoint_engine.prepare_model", lambda model, **kw: kept)
+    engine.bind(engine.blocks, engine.block_names, model=driver.model)
+    assert engine.step(tokens_batch(8, 12)) is not None and engine.plan.segments
+    assert not driver.applied and not engine.applied and engine.step(tokens_batch(8, 12)) is None
+    engine.close()
+
+
+def test_engine_needs_blocks_first():
+    engine = CheckpointEngine(EngineSettings(10**9), Driver(TinyChain()))
+    with pytest.raises(RuntimeError, match=r"call bind\(blocks, names\) first"):
+        engine.step(tokens_batch(8, 12))
