@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_ckpt.apply import AppliedPlan, apply_plan, apply_segments
 from lightning_ckpt.engine.auto_checkpoint import CheckpointHandle, auto_checkpoint
 from lightning_ckpt.engine.checkpoint_engine import CheckpointEngine, EngineSettings, StepDriver
+from lightning_ckpt.model_compat import Prepared, explain_checkpoint_error, prepare_model
 from lightning_ckpt.planning.costs import BlockCost, OpCost, StepCost
 from lightning_ckpt.planning.linear_fit import Profile
 from lightning_ckpt.planning.machine_rates import MachineRates
@@ -51,6 +52,7 @@ __all__ = [
     "OpCost",
     "OpOption",
     "POLICIES",
+    "Prepared",
     "Plan",
     "Profile",
     "StaticMemory",
@@ -61,11 +63,13 @@ __all__ = [
     "apply_segments",
     "auto_checkpoint",
     "block_options",
+    "explain_checkpoint_error",
     "make_plan",
     "measure_rates",
     "measure_step_peak",
     "parse_bytes",
     "predict_peak",
+    "prepare_model",
     "profile_model",
     "recompute_cost",
     "resolve_blocks",

@@ -95,14 +95,14 @@ def test_nothing_fits_says_what_the_static_part_takes():
     )
     with pytest.raises(
         InfeasibleBudgetError,
-        match=r"not even batch size 1 fits: parameters, gradients and optimizer state take 8\.0 MiB of the 1\.0 MiB "
+        match=r"not even batch size 1 fits: the model's state takes 8\.0 MiB of the 1\.0 MiB "
         r"budget \(parameters 2\.0 MiB, gradients 2\.0 MiB, optimizer state 4\.0 MiB\), 7\.0 MiB over it before any "
         r"activation\. Lower target_batch_size or raise memory_budget",
     ):
         plan_for_target(PROFILE, static, _request(2**20), 8)
     with pytest.raises(
         InfeasibleBudgetError,
-        match=r"take 1000 B of the 1\.0 KiB budget \(parameters 600 B, optimizer state 400 B\), which leaves 24 B "
+        match=r"takes 1000 B of the 1\.0 KiB budget \(parameters 600 B, optimizer state 400 B\), which leaves 24 B "
         r"for the activations of one sample",
     ):
         plan_for_target(PROFILE, STATIC, _request(1024), 8)

@@ -10,6 +10,7 @@ rank takes its plan; collectives are `torch.distributed`'s object collectives.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +24,7 @@ from lightning_ckpt.planning.linear_fit import Profile
 from lightning_ckpt.planning.machine_rates import MachineRates
 from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.profiling.batch import batch_size_of
+from lightning_ckpt.profiling.ddp_memory import ddp_comm_buffer_bytes
 from lightning_ckpt.profiling.profiler import profile_model
 from lightning_ckpt.profiling.state import preserved_rng, unchanged_parameters
 from lightning_ckpt.profiling.static_memory import StaticMemory, static_memory
@@ -116,12 +118,11 @@ class PlainDriver:
             self.profiling = False
 
     def static_memory(self) -> StaticMemory:
+        """The module's and the optimizer's state, and DDP's gradient buckets when DDP wraps it."""
         static = static_memory(self.model, [] if self.optimizer is None else [self.optimizer])
         if self.optimizer_state_bytes is not None:
-            import dataclasses
-
             static = dataclasses.replace(static, optimizer_state_bytes=self.optimizer_state_bytes)
-        return static
+        return dataclasses.replace(static, comm_buffer_bytes=ddp_comm_buffer_bytes(self.wrapped))
 
     def broadcast(self, obj: Any) -> Any:
         if not distributed():

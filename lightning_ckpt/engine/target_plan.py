@@ -65,12 +65,13 @@ def plan_for_target(profile: Profile, static: StaticMemory, request: PlanRequest
         hint = f"the largest batch that fits with policy={request.policy!r} is {largest}"
     else:
         parts = [("parameters", static.param_bytes), ("buffers", static.buffer_bytes),
-                 ("gradients", static.grad_bytes), ("optimizer state", static.optimizer_state_bytes)]
+                 ("gradients", static.grad_bytes), ("optimizer state", static.optimizer_state_bytes),
+                 ("the strategy's buffers", static.comm_buffer_bytes)]
         static_bytes = sum(nbytes for _, nbytes in parts)
         each = ", ".join(f"{what} {format_bytes(nbytes)}" for what, nbytes in parts if nbytes)
         left = request.budget_bytes - static_bytes
         hint = (
-            f"not even batch size 1 fits: parameters, gradients and optimizer state take {format_bytes(static_bytes)} "
+            f"not even batch size 1 fits: the model's state takes {format_bytes(static_bytes)} "
             f"of the {format_bytes(request.budget_bytes)} budget" + (f" ({each})" if each else "") + ", "
             + (f"{format_bytes(-left)} over it before any activation" if left < 0
                else f"which leaves {format_bytes(left)} for the activations of one sample")

@@ -2,29 +2,36 @@
 
 A strategy may define `ckpt_static_memory(pl_module, optimizers)` (ZeRO shards the model state) and
 `ckpt_profiling_context()` (DeepSpeed pauses its gradient hooks); else FSDP2's model for `fully_shard`-ed
-modules or what this process holds, and under DDP profiling inside `no_sync`.
+modules or what this process holds, plus DDP's gradient buckets when DDP wraps the model (`ddp_memory`),
+and under DDP profiling inside `no_sync`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+import dataclasses
+from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
-
+from lightning_ckpt.profiling.ddp_memory import ddp_comm_buffer_bytes
 from lightning_ckpt.profiling.fsdp_memory import model_fsdp_memory
 from lightning_ckpt.profiling.static_memory import StaticMemory, static_memory
 
+if TYPE_CHECKING:  # only for the annotations: importing Lightning costs seconds
+    import lightning.pytorch as pl
+
 
 def strategy_static_memory(trainer: pl.Trainer, pl_module: pl.LightningModule) -> StaticMemory:
-    """Per-device static memory: the strategy's own model when it has one, else what this process holds."""
+    """Per-device static memory: the strategy's own model when it has one, else what this process holds
+    (with DDP's gradient buckets, allocated when DDP wrapped the module)."""
     own = getattr(trainer.strategy, "ckpt_static_memory", None)
     if callable(own):
         return own(pl_module, trainer.optimizers)
     fsdp = model_fsdp_memory(pl_module)  # FSDP2 (`fully_shard`, e.g. under ModelParallelStrategy)
     if fsdp is not None:
         return fsdp.to_static_memory()
-    return static_memory(pl_module, trainer.optimizers)
+    static = static_memory(pl_module, trainer.optimizers)
+    buckets = ddp_comm_buffer_bytes(getattr(trainer, "model", None))
+    return dataclasses.replace(static, comm_buffer_bytes=buckets) if buckets else static
 
 
 def profiling_context(trainer: pl.Trainer) -> contextlib.AbstractContextManager[Any]:

@@ -1,8 +1,9 @@
 """`Plan`: which blocks are checkpointed, how they are grouped, and what that costs.
 
 A plan is plain data: the segments, the predicted peak against the budget, the
-recompute it buys that with, and a per-block table for people (`str(plan)`) and
-for loggers and checkpoints (`to_dict()` / `from_dict()`).
+recompute it buys that with, and a per-block table for people (`str(plan)`, block
+names after their common dotted prefix, which is printed once) and for loggers and
+checkpoints (`to_dict()` / `from_dict()`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,20 @@ def nesting_trees(segments, inner) -> list[str]:
         if any(a <= c and d <= b for c, d in inner):
             lines.append(f"seg {j} " + show(a, b))
     return lines
+
+
+def name_prefix(names) -> str:
+    """The dotted components all `names` share, with the final dot (`"model.layers."`), leaving every name
+    at least its last component; "" when they share none."""
+    parts = [n.split(".") for n in names]
+    if not parts:
+        return ""
+    common = []
+    for column in zip(*(p[:-1] for p in parts)):
+        if len(set(column)) != 1:
+            break
+        common.append(column[0])
+    return "".join(c + "." for c in common)
 
 
 @dataclass(frozen=True)
@@ -117,7 +132,9 @@ class Plan:
 
     def __str__(self) -> str:
         estimated = self.recompute_est_ms is not None
-        head = f"{'block':>5}  {'name':<28} {'decision':<12} {'seg':>4} {'saved':>10} {'boundary':>10} {'recompute':>14}"
+        prefix = name_prefix([r.name for r in self.rows])  # printed once; names are never cut
+        width = max([len("name"), *(len(r.name) - len(prefix) for r in self.rows)])
+        head = f"{'block':>5}  {'name':<{width}} {'decision':<12} {'seg':>4} {'saved':>10} {'boundary':>10} {'recompute':>14}"
         if estimated:
             head += f" {'est. ms':>8}"
         selective = f", {len(self.keeps)} of them keep op outputs" if self.keeps else ""
@@ -127,6 +144,7 @@ class Plan:
             f"lightning-ckpt plan: policy={self.policy}, batch_size={self.batch_size}, "
             f"{len(self.checkpointed)}/{self.n_blocks} blocks checkpointed in {len(self.segments)} segment(s)"
             f"{selective}, cost_metric={self.cost_metric}",
+            *([f"block names below are under {prefix}"] if prefix else []),
             head,
             "-" * len(head),
         ]
@@ -139,9 +157,8 @@ class Plan:
             recompute = format_flops(times * r.fwd_flops - r.kept_flops) if r.checkpointed else "0"
             if times > 1:
                 recompute = f"{recompute} x{times}"
-            name = r.name if len(r.name) <= 28 else "..." + r.name[-25:]
             line = (
-                f"{r.index:>5}  {name:<28} {decision:<12} {seg:>4} {format_bytes(r.saved_bytes):>10} "
+                f"{r.index:>5}  {r.name[len(prefix):]:<{width}} {decision:<12} {seg:>4} {format_bytes(r.saved_bytes):>10} "
                 f"{format_bytes(r.input_bytes):>10} {recompute:>14}"
             )
             if estimated:

@@ -23,11 +23,16 @@ class StaticMemory:
     grad_bytes: int  # gradients of trainable parameters, when all exist
     optimizer_state_bytes: int
     optimizer_transient_bytes: int  # scratch of one optimizer step
+    comm_buffer_bytes: int = 0  # a strategy's communication buffers, e.g. DDP's gradient buckets (`ddp_memory`)
 
     @property
     def resident_bytes(self) -> int:
         """What stays allocated all step (gradients come and go: modelled separately)."""
-        return self.param_bytes + self.buffer_bytes + self.optimizer_state_bytes
+        return self.param_bytes + self.buffer_bytes + self.optimizer_state_bytes + self.comm_buffer_bytes
+
+
+# optimizers whose state is sized from their type before it exists (`optimizer_state_bytes`)
+KNOWN_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adagrad)
 
 
 def _trainable(params) -> list[torch.Tensor]:
