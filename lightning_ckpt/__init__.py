@@ -25,6 +25,7 @@ from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.planning.policies import POLICIES, InfeasibleBudgetError, make_plan
 from lightning_ckpt.planning.recompute_cost import recompute_cost
 from lightning_ckpt.profiling.blocks import resolve_blocks
+from lightning_ckpt.profiling.discovery import ChainChoice, discover_chain
 from lightning_ckpt.profiling.profiler import profile_model
 from lightning_ckpt.profiling.rates import measure_rates
 from lightning_ckpt.profiling.static_memory import StaticMemory, static_memory
@@ -41,6 +42,7 @@ __all__ = [
     "ActivationCheckpointing",
     "AppliedPlan",
     "BlockCost",
+    "ChainChoice",
     "CheckpointEngine",
     "CheckpointHandle",
     "DeepSpeedStrategy",
@@ -63,6 +65,7 @@ __all__ = [
     "apply_segments",
     "auto_checkpoint",
     "block_options",
+    "discover_chain",
     "explain_checkpoint_error",
     "make_plan",
     "measure_rates",

@@ -75,21 +75,26 @@ def walk_peak(cost: StepCost, segments: Segments) -> PeakBreakdown:
     # scratch is live as well
     fwd_grads = grads_all if cost.grads_live_in_forward or cost.grads_accumulate else 0
     # a micro-batch that accumulates finds every gradient allocated from its first backward on
-    head_grads = grads_all if cost.grads_accumulate else cost.outside_grad_bytes
+    head_grads = grads_all if cost.grads_accumulate else cost.head_outside_grad_bytes
     relief = blocks[-1].output_saved_bytes if n and owner[-1] < 0 else 0
     post = cost.post_saved_bytes - relief
     post_fwd = cost.post_saved_bytes if cost.post_forward_bytes is None else cost.post_forward_bytes
-    fwd = prefix[n] + post_fwd - relief
+    fwd = prefix[n] + post_fwd - relief + cost.carried_end_bytes
     for i, blk in enumerate(blocks):
         if owner[i] < 0:
             own = blk.saved_bytes + blk.output_bytes - blk.output_saved_bytes + blk.fwd_transient_bytes + shift[i]
+            own += blk.input_unsaved_bytes  # the part of its input only the caller holds
         else:
             own = blk.input_bytes + ckpt_forward_bytes(blk)
             if segments[owner[i]][0] == i:
                 own += shift[i]
-        fwd = max(fwd, prefix[i] + own)
+        fwd = max(fwd, prefix[i] + own + blk.carried_fwd_bytes)
+        if i + 1 < n and (owner[i] < 0 or owner[i + 1] != owner[i]):
+            # the modules outside the chain before block i + 1, on what blocks 0..i leave (never
+            # inside a segment: a block after such modules does not chain)
+            fwd = max(fwd, prefix[i + 1] + blocks[i + 1].gap_fwd_bytes - (blk.output_saved_bytes if owner[i] < 0 else 0))
     fwd += static + fwd_grads
-    fwd = max(fwd, static + head_grads + prefix[n] + post)  # the head's backward
+    fwd = max(fwd, static + head_grads + prefix[n] + post + cost.carried_end_bytes)  # the head's backward
 
     # backward: blocks from last to first; gradients of later blocks exist (all of them
     # when accumulating: then no block adds its own)
@@ -102,9 +107,10 @@ def walk_peak(cost: StepCost, segments: Segments) -> PeakBreakdown:
         if j < 0:
             blk = blocks[i]
             live = prefix[i] + blk.saved_bytes + shift[i] + blk.output_bytes + blk.bwd_transient_bytes
+            live += blk.carried_bwd_bytes
             if live + grads_after > bwd:
                 bwd, bwd_at = live + grads_after, i
-            grads_after += own_grads * blk.grad_bytes
+            grads_after += own_grads * (blk.grad_bytes + blk.gap_grad_bytes)
             i -= 1
             continue
         a, b = segments[j]
@@ -115,11 +121,11 @@ def walk_peak(cost: StepCost, segments: Segments) -> PeakBreakdown:
         for k in range(b, a - 1, -1):
             blk = blocks[k]
             extra = max(blk.bwd_transient_bytes, scratch) if k == b else blk.bwd_transient_bytes
-            live = base + rebuilt + blk.output_bytes + extra
+            live = base + rebuilt + blk.output_bytes + extra + blk.carried_bwd_bytes
             if live + grads_after > bwd:
                 bwd, bwd_at = live + grads_after, k
             rebuilt -= blk.saved_bytes - (blk.input_saved_bytes if k == a else 0)
-            grads_after += own_grads * blk.grad_bytes
+            grads_after += own_grads * (blk.grad_bytes + blk.gap_grad_bytes)
         i = a - 1
     bwd += static
 
@@ -188,7 +194,7 @@ def _elements(cost: StepCost, a: int, terms, max_len: int, metric: str, room: fl
         if b - a >= max_len or (b > a and not blocks[b].chains_from_previous):
             break
         saved_sum += blocks[b].saved_bytes
-        if least_base + cost.outside_grad_bytes + saved_sum > room:
+        if least_base + min(terms.gradients_after, default=0) + saved_sum > room:
             break  # the rebuilt interior only grows with the segment
         run_cost += block_recompute(blocks[b], metric, rates)
         yield el, run_cost - skipped_tail(blocks[b], metric, rates) + segment_overhead(metric, rates)

@@ -218,3 +218,22 @@ def test_bad_input_is_refused_with_what_to_do():
     with pytest.raises(ValueError, match=r"probe_batch_sizes=\(8, 16\) but the batch has 8 samples"):
         auto_checkpoint(model, 10**9, probe_batch_sizes=(8, 16), **kw)
     assert _hooks(model) == 0
+
+
+def test_blocks_none_follows_the_bytes_across_containers():
+    """A diffusers U-Net: with blocks=None the chain runs down, mid and up blocks, in call order, and
+    what it chose and left out is said."""
+    import zoo_models
+
+    torch.manual_seed(0)
+    entry = zoo_models.unet()
+    batch = entry.batch(4, seed=0)
+    said = []
+    opt = torch.optim.AdamW(entry.model.parameters(), lr=1e-3)
+    with auto_checkpoint(entry.model, 10**9, example_batch=batch, step_fn=entry.loss, optimizer=opt, policy="full",
+                         verbose=False, info=said.append) as handle:
+        names = handle.block_names
+        assert [n for n in names if n.startswith("down_blocks")] and "mid_block" in names
+        assert [n for n in names if n.startswith("up_blocks")]
+        assert names.index("mid_block") > max(i for i, n in enumerate(names) if n.startswith("down_blocks"))
+    assert any("blocks=None: chose" in m and "left out" in m for m in said)

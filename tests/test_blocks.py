@@ -107,3 +107,66 @@ def test_a_module_whose_children_share_a_class_is_a_container():
     compiled = torch.nn.Module()
     compiled.net = torch.compile(Net())  # the blocks of a compiled model are found through its wrapper
     assert resolve_blocks(compiled, "net.stack")[1] == ["net.stack.first", "net.stack.second"]
+
+
+# ----------------------------------------------------------------------------- blocks found from the bytes
+
+
+class _Mid(torch.nn.Module):
+    def __init__(self, layers: torch.nn.ModuleList) -> None:
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, x):
+        for m in self.layers:
+            x = m(x)
+        return x
+
+
+class _UNetLike(torch.nn.Module):
+    """A stem, two lists of blocks with a middle module between them, a head; the middle module
+    holds a list of its own (as a U-Net's mid block holds its resnets) and stays one block."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        from models import MLPBlock
+
+        self.stem = torch.nn.Linear(d, d)
+        self.down = torch.nn.ModuleList(MLPBlock(d) for _ in range(2))
+        self.mid = _Mid(torch.nn.ModuleList(MLPBlock(d) for _ in range(2)))
+        self.up = torch.nn.ModuleList(MLPBlock(d) for _ in range(3))
+        self.head = torch.nn.Linear(d, 2)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for m in self.down:
+            x = m(x)
+        x = self.mid(x)
+        for m in self.up:
+            x = m(x)
+        return self.head(x).mean()
+
+
+def test_blocks_none_with_a_step_follows_the_bytes_across_containers():
+    from lightning_ckpt.profiling.discovery import discover_chain
+
+    torch.manual_seed(0)
+    model = _UNetLike()
+    choice = discover_chain(model, lambda b: model(b), torch.randn(4, 8, 16))
+    assert choice.names == ("down.0", "down.1", "mid", "up.0", "up.1", "up.2")
+    assert choice.modules[2] is model.mid and choice.probe_batch_size == 2
+    assert [n for n, _ in choice.left_out] == ["head"] and choice.covered_bytes < choice.step_bytes
+    assert str(choice).startswith("blocks=None: chose 6 blocks from down.0 to up.2, which save ")
+    # without a step, the largest container alone (the old rule)
+    assert resolve_blocks(model, None)[1] == ["up.0", "up.1", "up.2"]
+    # a chain with nothing else: the same as before
+    chain = TinyChain(n_blocks=3)
+    assert discover_chain(chain, lambda b: chain(b[0]).sum(), tokens_batch()).names == ("blocks.0", "blocks.1", "blocks.2")
+
+
+def test_blocks_none_needs_a_list_of_modules():
+    from lightning_ckpt.profiling.discovery import discover_chain
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    with pytest.raises(ValueError, match="has no nn.ModuleList"):
+        discover_chain(net, lambda b: net(b).sum(), torch.randn(4, 4))

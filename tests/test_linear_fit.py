@@ -92,3 +92,44 @@ def test_a_smallest_slice_unlike_the_batch_is_left_out_of_the_line():
     assert refit.at(8).pre_saved_bytes == 400
     linear = Profile(probes=(step(1, 50), step(2, 100)), check=step(4, 200))
     assert refit_without_smallest(linear) is linear
+
+
+def _scratch_step(b: int, scratch: int, carried: int = 0) -> StepCost:
+    block = BlockCost("b0", saved_bytes=1000 * b, input_bytes=10 * b, bwd_transient_bytes=scratch, carried_bwd_bytes=carried)
+    return StepCost(blocks=(block,), batch_size=b, post_saved_bytes=50 * b)
+
+
+def test_backward_scratch_off_the_line_at_batch_one_refits_and_says_so():
+    """Every size the memory model holds is checked, not only saved and boundary bytes: a block's
+    backward scratch at batch 1 (attention dropout's, in a ViT) off the line leaves batch 1 out."""
+    from lightning_ckpt.planning.linear_fit import refit_without_smallest, relative_miss
+
+    odd = Profile(probes=(_scratch_step(1, 300), _scratch_step(2, 400)), check=_scratch_step(4, 800))
+    assert relative_miss(odd.at(4), odd.check) > 0.1
+    refit = refit_without_smallest(odd)
+    assert [p.batch_size for p in refit.probes] == [2, 4] and refit.at(16).blocks[0].bwd_transient_bytes == 3200
+    assert refit.fit_note == (
+        "bytes measured at batch 1 are off the line through the larger slices (the line through batches 1 and 2 "
+        "missed batch 4 by 25.0%), so the profile is fitted on batches 2 and 4; no larger slice was left to check them"
+    )
+    again = Profile.from_dict(Profile(refit.probes, _scratch_step(8, 1600)).to_dict())
+    assert again.fit_note.endswith("at batch 8 the new lines miss by 0.0%")
+    assert odd.fit_note is None
+    # off again at 8: batch 2 is left out too, and the note names both
+    twice = refit_without_smallest(Profile(refit.probes, _scratch_step(8, 2400)))
+    assert [p.batch_size for p in twice.probes] == [4, 8]
+    assert twice.fit_note.startswith("bytes measured at batches 1 and 2 are off the line")
+
+
+def test_a_few_bytes_off_the_line_do_not_refit():
+    """A field of a few bytes (the loss's own gradient among the carried ones) is measured against a
+    hundredth of the step's activation bytes, not against itself."""
+    from lightning_ckpt.planning.linear_fit import refit_without_smallest, relative_miss
+
+    def step(b, carried):
+        block = BlockCost("b0", saved_bytes=100_000 * b, input_bytes=1000 * b, carried_bwd_bytes=carried)
+        return StepCost(blocks=(block,), batch_size=b)
+
+    noisy = Profile(probes=(step(1, 1304), step(2, 4)), check=step(4, 4))
+    assert relative_miss(noisy.at(4), noisy.check) < 0.01
+    assert refit_without_smallest(noisy) is noisy

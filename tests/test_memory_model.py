@@ -183,7 +183,13 @@ def block_costs(draw, first: bool = False):
         ckpt_fwd_peak_bytes=draw(st.none() | st.integers(0, 150)),
         bwd_transient_bytes=draw(st.integers(0, 80)),
         grad_bytes=draw(st.sampled_from((0, 7, 400))),
-        chains_from_previous=draw(st.booleans()),
+        chains_from_previous=(chains := draw(st.booleans())),
+        input_unsaved_bytes=draw(st.integers(0, x)),
+        carried_fwd_bytes=draw(st.sampled_from((0, 0, 9, 120))),
+        carried_bwd_bytes=draw(st.sampled_from((0, 0, 13, 150))),
+        # modules outside the chain run only where the chain breaks (the profiler's rule)
+        gap_fwd_bytes=0 if chains else draw(st.sampled_from((0, out, 70, 400))),
+        gap_grad_bytes=draw(st.sampled_from((0, 0, 5))),
     )
 
 
@@ -197,7 +203,8 @@ def costs_and_plans(draw, max_blocks: int = 8):
         blocks=blocks,
         batch_size=1,
         static_bytes=draw(st.integers(0, 200)),
-        outside_grad_bytes=draw(st.integers(0, 40)),
+        # the gradients the backward makes late are part of those outside the blocks
+        outside_grad_bytes=sum(b.gap_grad_bytes for b in blocks) + draw(st.integers(0, 40)),
         pre_saved_bytes=draw(st.integers(0, 40)),
         batch_bytes=draw(st.integers(0, 30)),
         post_saved_bytes=draw(st.integers(0, 120)),
@@ -205,6 +212,7 @@ def costs_and_plans(draw, max_blocks: int = 8):
         grads_live_in_forward=draw(st.booleans()),
         optimizer_transient_bytes=draw(st.integers(0, 300)),
         grads_accumulate=draw(st.booleans()),
+        carried_end_bytes=draw(st.sampled_from((0, 0, 11, 90))),
     )
     segs: list[tuple[int, int]] = []
     for i, label in enumerate(draw(st.lists(st.sampled_from("kns"), min_size=len(blocks), max_size=len(blocks)))):

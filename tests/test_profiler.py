@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 
 import numpy as np
@@ -11,6 +12,7 @@ import torch
 from models import (
     FedChain,
     IdentityWrap,
+    MLPBlock,
     TinyChain,
     TinyCNN,
     tokens_batch,
@@ -231,3 +233,102 @@ def test_unchanged_parameters_reports_in_place_writes_only():
         with unchanged_parameters(model), torch.no_grad():
             model.head.bias.zero_()
             raise KeyError("inside")
+
+
+# ----------------------------------------------------------------------------- storages carried past the next block
+
+
+class _SkipChain(torch.nn.Module):
+    """Four blocks; block 0's output is also added to the last block's output (a long skip), and an
+    MLP the chain does not list runs between blocks 1 and 2."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(MLPBlock(d, 0.1) for _ in range(4))
+        self.mid = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        skip = x = self.blocks[0](x)
+        x = self.mid(self.blocks[1](x))
+        x = self.blocks[3](self.blocks[2](x))
+        return (x + skip).mean()
+
+
+def test_a_long_skip_and_a_module_between_blocks_are_carried():
+    torch.manual_seed(0)
+    model = _SkipChain()
+    x = torch.randn(16, 8, 32)
+    cost = probe_step(model, list(model.blocks), lambda b: model(b), x, timing=False)
+    act = 16 * 8 * 32 * 4
+    first, _, after_mid, last = cost.blocks
+    # block 0's output lives to the head: out of its own fields, carried by every later block
+    assert first.output_bytes == 0 and cost.blocks[1].input_bytes == 0
+    assert all(b.carried_fwd_bytes >= act for b in cost.blocks[1:]) and cost.carried_end_bytes >= act
+    # what the MLP saves (its input, both sides of its GELU) is carried from it on; block 2 does not chain
+    assert not after_mid.chains_from_previous and cost.blocks[1].chains_from_previous
+    assert after_mid.gap_fwd_bytes >= 9 * act and after_mid.carried_fwd_bytes >= act + 9 * act
+    assert last.carried_bwd_bytes >= 9 * act
+    # the MLP's weights are read last before block 2: their gradients exist from block 2's backward on
+    assert after_mid.gap_grad_bytes == sum(p.numel() * 4 for p in model.mid.parameters())
+    assert cost.outside_grad_bytes == after_mid.gap_grad_bytes
+
+
+def test_predicted_whole_step_peaks_of_the_skip_chain_are_exact():
+    from lightning_ckpt.apply import apply_segments
+    from lightning_ckpt.planning.memory_model import predict_peak
+    from lightning_ckpt.profiling.step_peak import measure_step_peak
+
+    from lightning_ckpt.profiling.static_memory import static_memory
+
+    torch.manual_seed(0)
+    model = _SkipChain()
+    x = torch.randn(16, 8, 32)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def loss_fn(b):
+        return model(b)
+
+    loss_fn(x).backward()  # gradients exist, as in training
+    opt.step()
+    cost = probe_step(model, list(model.blocks), loss_fn, x, timing=False)
+    static = static_memory(model, [opt])
+    cost = dataclasses.replace(cost, static_bytes=static.resident_bytes, optimizer_transient_bytes=static.optimizer_transient_bytes)
+    for segs in ([], [(0, 0), (1, 1), (2, 2), (3, 3)], [(0, 1)], [(2, 3)], [(1, 1), (3, 3)]):
+        handle = apply_segments(list(model.blocks), segs)
+        try:
+            measured = measure_step_peak(model, loss_fn, x, opt)
+        finally:
+            handle.remove()
+        predicted = predict_peak(cost, segs).peak_bytes
+        assert abs(predicted - measured) <= 0.01 * measured, (segs, predicted, measured)
+
+
+class _BiasBlock(torch.nn.Module):
+    """Returns (hidden, bias): the first block makes the bias, every later one reads it and passes it
+    on (as T5's blocks pass the position bias), so its gradient is complete only at the first block."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, x, bias=None):
+        if bias is None:
+            bias = self.lin(x).mean(0)
+        return torch.relu(self.lin(x) + bias), bias
+
+
+def test_gradients_of_module_outputs_are_not_held_by_the_flop_counter():
+    """`FlopCounterMode`'s module tracker held each module's output gradients until all its outputs
+    had one: with the bias passed through every block, until the first block's backward."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(_BiasBlock() for _ in range(4))
+
+    def loss_fn(x):
+        bias = None
+        for b in blocks:
+            x, bias = b(x, bias)
+        return x.sum()
+
+    cost = probe_step(blocks, list(blocks), loss_fn, torch.randn(64, 16), timing=False)
+    # a block's output gradient is 4 KiB; what is left is the bias's gradient on its way to block 0
+    assert all(b.carried_bwd_bytes <= 256 for b in cost.blocks), [b.carried_bwd_bytes for b in cost.blocks]

@@ -28,6 +28,8 @@ from lightning_ckpt.engine.checkpoint_engine import CheckpointEngine, EngineSett
 from lightning_ckpt.engine.plain_driver import PlainDriver, StepFn
 from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.profiling.blocks import resolve_blocks
+from lightning_ckpt.profiling.discovery import discover_chain
+from lightning_ckpt.profiling.state import preserved_rng
 from lightning_ckpt.profiling.shapes import BatchShape, shape_of
 from lightning_ckpt.profiling.static_memory import KNOWN_OPTIMIZERS
 from lightning_ckpt.report import plan_summary
@@ -168,7 +170,12 @@ def auto_checkpoint(
     budget = arguments.resolve_budget(
         None if memory_budget is None else parse_bytes(memory_budget, "memory_budget"), _device_of(driver.model)
     )
-    _, names, modules = resolve_blocks(driver.model, blocks)
+    _, names, modules = resolve_blocks(driver.model, blocks)  # None: raises when there is no container at all
+    if blocks is None:  # the chain, across containers, that holds most of the bytes the step saves
+        with preserved_rng():
+            choice = discover_chain(driver.model, step_fn, example_batch)
+        names, modules = list(choice.names), list(choice.modules)
+        driver.info(f"lightning-ckpt: {choice}")
     _refuse_compiled(model, driver.model, modules)
     settings = EngineSettings(
         budget, policy, every_k, cost_metric, granularity, max_levels, probes, check_batch_size, guard_batchnorm,

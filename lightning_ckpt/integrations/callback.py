@@ -24,7 +24,6 @@ from lightning_ckpt.integrations import loader_batch_size as loader
 from lightning_ckpt.integrations.lightning_driver import LightningDriver
 from lightning_ckpt.integrations.loggers import log_metrics, write_plan_report
 from lightning_ckpt.planning.policies import POLICIES
-from lightning_ckpt.profiling.blocks import resolve_blocks
 from lightning_ckpt.profiling.shapes import BatchShape
 from lightning_ckpt.report import plan_metrics, plan_summary
 from lightning_ckpt.shape_plans import ShapeDecision
@@ -38,28 +37,16 @@ class PlanOnly(Exception):
 class ActivationCheckpointing(Callback):
     """Checkpoint the blocks of a model so training at `target_batch_size` fits `memory_budget`.
 
-    Args:
-        target_batch_size: per-device batch size to train at (the train loader is set to it),
-            or ``"max"``: the largest batch whose best plan fits, found from the profile.
-        memory_budget: per-device peak allowed for the whole step (parameters, gradients,
-            optimizer state, activations), bytes or a string like ``"6GiB"``. Default on
-            CUDA: 90% of the device's memory free at fit start; on CPU it must be given.
-        blocks: dotted path to the ordered container of blocks (``"encoder.layers"``); a list of
-            dotted paths / glob patterns naming a chain of modules in call order
-            (``["stem", "layer1.*", "layer2.*"]``); or None to pick the largest container of
-            same-class modules.
-        policy: ``optimal`` (least recompute that fits), ``greedy``, ``sqrt``, ``every_k``,
-            ``full`` or ``none``.
+    Args (README.md's table has each in full):
+        target_batch_size: per-device batch to train at (the loader is set to it), or ``"max"``: the largest that fits.
+        memory_budget: per-device peak for the whole step, bytes or e.g. ``"6GiB"`` (CUDA default: 90% of free).
+        blocks: a dotted path to the container of blocks, a list of paths / glob patterns naming a chain in
+            call order, or None: the chain, across containers, holding most of the bytes the step saves.
+        policy: ``optimal`` (least recompute that fits), ``greedy``, ``sqrt``, ``every_k``, ``full``, ``none``.
         every_k: blocks per segment for ``policy="every_k"``; None picks the smallest k that fits.
-        cost_metric: what recompute is measured in: ``time`` (the default: counted FLOPs, bytes written by
-            ops without FLOPs and random bytes, each at a rate measured on this device; `profiling.rates`),
-            ``flops`` (machine-independent, but norms, softmax, GELU and dropout count 0) or ``ms`` (each
-            block's forward timed once while profiling: noisy).
-        granularity: ``block`` checkpoints whole blocks; ``op`` (with ``policy="optimal"``) also lets a
-            block checkpointed alone keep some op outputs (matmuls, dropout masks) and recompute the rest.
-        max_levels: how deep ``policy="optimal"`` may nest segments: 1 plans single-level segments; 2 (the
-            default) lets a segment's recompute checkpoint inner segments of its own, used only when that
-            fits a budget nothing single-level fits or recomputes less (docs/usage.md, multi-level plans).
+        cost_metric: recompute in ``time`` (counted work at rates measured on this device), ``flops`` or ``ms``.
+        granularity: ``block``, or ``op``: a block checkpointed alone may keep some op outputs (``optimal``).
+        max_levels: how deep ``optimal`` may nest segments (1: single-level; 2: inner segments in a recompute).
         batch_arg_name: attribute holding the loader's batch size (module, hparams or datamodule).
         probe_batch_sizes: the two small slices of the first training batch profiled (a line in the batch).
         check_batch_size: a third size that checks the line (None, or larger than the first batch: skipped).
@@ -67,16 +54,12 @@ class ActivationCheckpointing(Callback):
         verbose: print the plan table on rank 0.
         batch_multiple: with ``target_batch_size="max"``, round the batch down to a multiple of this.
         strict_resume: when a checkpoint's plan no longer matches the model, raise instead of re-planning.
-        measure_peak: log the measured peak of the first planned step next to the prediction
-            (None: on CUDA only; on CPU tracking every tensor costs time, so ask for it).
-        report: write the plan and profile as JSON and the trade-off plot as PNG to the logger's
-            directory (without a logger: the Trainer's ``default_root_dir``).
+        measure_peak: log the first planned step's measured peak beside the prediction (None: CUDA only).
+        report: write the plan and profile as JSON and the trade-off plot as PNG to the log directory.
         plan_only: stop after planning (raises `PlanOnly`), used by ``python -m lightning_ckpt plan``.
-        tune_allocator: for the fit, make the memory the OS or GPU sees follow the tensors. None (the
-            default): on CUDA only (``expandable_segments``, cheap); True: on CPU too (glibc malloc thresholds,
-            which slow CPU steps; see docs/memory.md); False: never.
-        keep_hf_checkpointing: leave a model's own (HF) gradient checkpointing in charge (no plan is
-            applied); by default it is turned off for the fit, ours applied, and turned back on at the end.
+        tune_allocator: make the memory the OS or GPU sees follow the tensors; None: on CUDA only
+            (``expandable_segments``); True: glibc malloc thresholds on CPU too (slower steps); False: never.
+        keep_hf_checkpointing: leave a model's own (HF) gradient checkpointing in charge (no plan applied).
     """
 
     POLICIES = POLICIES
@@ -128,7 +111,7 @@ class ActivationCheckpointing(Callback):
         self._loaded: dict[str, Any] | None = None
         self._measuring = contextlib.ExitStack()  # holds the first steady step's `step_peak`
         self._peak: measured_peak.PeakReading | None = None
-        self._planned_in_fit = False
+        self._planned_in_fit = self._bound = False  # planned / the engine on this fit's blocks
         self._told_slices = False
 
     plan = property(lambda self: None if self.engine is None else self.engine.plan, doc="The applied plan.")
@@ -148,16 +131,13 @@ class ActivationCheckpointing(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # after `configure_model` (and the strategy's wrapping): a model built there exists only now
-        _, names, blocks = resolve_blocks(pl_module, self.blocks)
-        settings = EngineSettings(self._budget_bytes, **self._settings)
-        if self.engine is None:
-            self.engine = CheckpointEngine(settings, LightningDriver(trainer))
-        self.engine.driver = LightningDriver(trainer)
-        self.engine.bind(blocks, names, settings, model=pl_module)  # HF caches off for the fit (`model_compat`)
-        self.engine.resume_with = self._resumed_plan
-        self._planned_in_fit, self.measured_peaks = False, {}
+        self._planned_in_fit, self._bound, self.measured_peaks = False, False, {}
         if self.target_batch_size == "max":  # profile one batch of the current loader, plan the largest
-            self.batch_size = self.engine.plan_max(loader.first_train_batch(trainer)).batch_size
+            batch = loader.first_train_batch(trainer)
+            self._bind(trainer, pl_module, batch)
+            self.batch_size = self.engine.plan_max(batch).batch_size
+        elif self.blocks is not None:  # (blocks=None: found from the first training batch, when it comes)
+            self._bind(trainer, pl_module, None)
         loader.set_loader_batch_size(trainer, pl_module, self.batch_arg_name, self.batch_size)
 
     @override
@@ -167,6 +147,8 @@ class ActivationCheckpointing(Callback):
         first = not self._planned_in_fit
         if first:
             loader.check_first_batch(batch, self.batch_size, self.batch_arg_name, loader.train_dataset_len(trainer))
+        if not self._bound:
+            self._bind(trainer, pl_module, batch)
         decision = self.engine.step(batch, batch_idx)
         if decision is not None:
             self._planned_in_fit = True
@@ -211,6 +193,16 @@ class ActivationCheckpointing(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._loaded = dict(state_dict)
+
+    def _bind(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+        """The engine on this fit's blocks (`blocks=None`: the chain holding most of `batch`'s step bytes)."""
+        driver = LightningDriver(trainer)
+        names, blocks = driver.chain(pl_module, self.blocks, batch)
+        settings = EngineSettings(self._budget_bytes, **self._settings)
+        self.engine = self.engine or CheckpointEngine(settings, driver)
+        self.engine.driver = driver
+        self.engine.bind(blocks, names, settings, model=pl_module)  # HF caches off for the fit (`model_compat`)
+        self.engine.resume_with, self._bound = self._resumed_plan, True
 
     def _resumed_plan(self) -> resume.ResumedPlan | None:
         """The checkpoint's plan when it still matches this run (consulted once, before the first plan)."""

@@ -12,11 +12,12 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_ckpt.apply import AppliedPlan
 from lightning_ckpt.integrations import compiled
-from lightning_ckpt.integrations.profile_step import profile_first_batch
+from lightning_ckpt.integrations.profile_step import chain_of_first_batch, profile_first_batch
 from lightning_ckpt.integrations.strategy_hooks import strategy_static_memory
 from lightning_ckpt.planning.linear_fit import Profile
 from lightning_ckpt.planning.machine_rates import MachineRates
 from lightning_ckpt.planning.plan import Plan
+from lightning_ckpt.profiling.blocks import resolve_blocks
 from lightning_ckpt.profiling.static_memory import StaticMemory
 
 
@@ -33,6 +34,18 @@ class LightningDriver:
     @property
     def grads_accumulate(self) -> bool:
         return self.trainer.accumulate_grad_batches > 1
+
+    def chain(
+        self, pl_module: pl.LightningModule, blocks: str | list[str] | None, batch: Any
+    ) -> tuple[list[str], list[torch.nn.Module]]:
+        """The blocks `blocks` names; with None, the chain that covers most of the bytes `batch`'s
+        step saves (across containers: a U-Net's down, mid and up blocks), said once."""
+        _, names, modules = resolve_blocks(pl_module, blocks)  # None: raises when there is no container at all
+        if blocks is not None:
+            return names, modules
+        choice = chain_of_first_batch(self.trainer, pl_module, batch)
+        rank_zero_info(f"lightning-ckpt: {choice}")
+        return list(choice.names), list(choice.modules)
 
     def profile(
         self, batch: Any, blocks: list[torch.nn.Module], names: list[str], *, batch_idx: int,

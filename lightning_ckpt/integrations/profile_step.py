@@ -14,7 +14,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_ckpt.engine.plain_driver import checked_size
 from lightning_ckpt.integrations.compiled import compiled_by, eager_only, one_block_profile
@@ -23,6 +23,7 @@ from lightning_ckpt.integrations.muted_logging import muted_logging
 from lightning_ckpt.integrations.strategy_hooks import profiling_context
 from lightning_ckpt.planning.linear_fit import Profile
 from lightning_ckpt.planning.machine_rates import MachineRates
+from lightning_ckpt.profiling.discovery import ChainChoice, discover_chain
 from lightning_ckpt.profiling.gather import with_recompute_gather
 from lightning_ckpt.profiling.profiler import profile_model
 
@@ -32,6 +33,14 @@ LINEAR_FIT_TOLERANCE = 0.05  # relative miss at the check size above which the f
 def probe_sizes(batch: Any, probes: tuple[int, int], check: int | None) -> int | None:
     """Check the probe sizes against the batch they slice; -> the check size to use (None: skip it)."""
     return checked_size(batch, probes, check, rank_zero_info, "the first training batch")
+
+
+def _training_step(trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int):
+    def step_fn(b: Any) -> torch.Tensor:
+        with muted_logging(pl_module), trainer.precision_plugin.train_step_context():
+            return pl_module.training_step(b, batch_idx)
+
+    return step_fn
 
 
 def profile_first_batch(
@@ -50,21 +59,32 @@ def profile_first_batch(
     `calibrate_keeps` (op-level plans in `time`) also times what keeping op outputs saves;
     `rates` measured by an earlier profile are reused (None: measured now)."""
     check = probe_sizes(batch, probes, check)
-
-    def step_fn(b: Any) -> torch.Tensor:
-        with muted_logging(pl_module), trainer.precision_plugin.train_step_context():
-            return pl_module.training_step(b, batch_idx)
-
+    step_fn = _training_step(trainer, pl_module, batch_idx)
     # optimizers, schedulers and counters held still; a manual step's backward is run by the profiler
     with held_training(trainer, pl_module, blocks, names, step_fn) as step:
         with profiling_context(trainer), eager_only():  # a compiled model is profiled as its original code
             profile = profile_model(pl_module, blocks, step, batch, probes, check, names=names, calibrate_keeps=calibrate_keeps, rates=rates)
         profile = one_block_profile(profile, compiled_by(pl_module, blocks))  # compiled: one block per region
         profile = with_recompute_gather(profile, blocks)  # sharded blocks: what their recompute gathers, and how fast
+    if profile.fit_note:  # the smallest slices were left out: they were off the line through the larger ones
+        rank_zero_info(f"lightning-ckpt: {profile.fit_note}.")
     err = profile.check_error()
     if err > LINEAR_FIT_TOLERANCE:
-        rank_zero_info(
-            f"lightning-ckpt: bytes predicted from batches {probes} miss the measurement at batch {check} by "
-            f"{100 * err:.1f}%; the model's memory is not linear in the batch size, so the plan may be off."
+        a, b = (p.batch_size for p in profile.probes)
+        rank_zero_warn(
+            f"lightning-ckpt: memory predicted from batches {a} and {b} misses the measurement at batch "
+            f"{profile.check.batch_size} by {100 * err:.1f}%"
+            + (" even after leaving out the smaller slices" if profile.fit_note else "")
+            + "; this model's memory is not linear in the batch size, so the plan may be off. Profile on larger "
+            "slices (e.g. probe_batch_sizes=(4, 8), check_batch_size=16) or leave the budget more room."
         )
     return profile
+
+
+def chain_of_first_batch(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> ChainChoice:
+    """With ``blocks=None``: the chain that covers most of the bytes the training step saves
+    (`profiling.discovery`), measured by one forward on a slice of `batch`, every state held."""
+    step_fn = _training_step(trainer, pl_module, 0)
+    with held_training(trainer, pl_module, [], [], step_fn) as step:
+        with profiling_context(trainer), eager_only():
+            return discover_chain(pl_module, step, batch)

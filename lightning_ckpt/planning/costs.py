@@ -71,6 +71,9 @@ class BlockCost:
     input_saved_by_previous_bytes: the block's input storage when the previous
         block's ops saved it; a segment starting here then finds its boundary
         already resident if the previous block is kept.
+    input_unsaved_bytes: the part of `input_bytes` that neither this block nor the previous one
+        saves: only the caller holds it, for as long as the block runs, so a kept block's forward
+        holds it too (a checkpointed one holds its whole input anyway).
     output_bytes: the block's output; in backward the gradient of it is this large.
     output_saved_bytes: the part of `output_bytes` that is also in `saved_bytes`
         (the block's last op saves its result, e.g. a ReLU); not counted twice.
@@ -105,6 +108,22 @@ class BlockCost:
         (`profiling.keep_calibration`).
     keep_draws_saved_ms: the same when it keeps only its random calls; None when not measured
         or when it has none to keep.
+    carried_fwd_bytes: storages that outlive their neighbour edge (`profiling.lifetimes`: a U-Net
+        skip, the encoder output every decoder block reads, what modules outside the chain save, a
+        block's output kept for a later module) alive while this block runs forward. Such a storage
+        is in no other field of any block: its bytes are counted here and in `carried_bwd_bytes`
+        for every phase of its measured life, whatever the plan.
+    carried_bwd_bytes: the same while this block's backward runs (with that of the modules outside
+        the chain just before it), plus the gradients of carried storages that later modules' backward
+        made and this block's has not consumed yet.
+    gap_fwd_bytes: the forward of the modules outside the chain that run after the previous block
+        and before this one (the gap): their peak above the bytes resident before the previous
+        block, the previous block's output and the carried bytes included; 0 when the gap runs no
+        op. A block after a gap that runs ops does not chain from the previous block.
+    gap_grad_bytes: gradients of trainable parameters outside the blocks (part of
+        `StepCost.outside_grad_bytes`) whose last use in the forward is in the gap before this
+        block or in this block (block 0: anywhere before it): the backward makes them after this
+        block's, so no earlier backward holds them. Batch-independent, like `grad_bytes`.
     """
 
     name: str
@@ -131,6 +150,11 @@ class BlockCost:
     ops: tuple[OpCost, ...] = ()
     keep_saved_ms: float | None = None
     keep_draws_saved_ms: float | None = None
+    carried_fwd_bytes: int = 0
+    carried_bwd_bytes: int = 0
+    gap_fwd_bytes: int = 0
+    input_unsaved_bytes: int = 0
+    gap_grad_bytes: int = 0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -146,6 +170,11 @@ class BlockCost:
             raise ValueError(
                 f"BlockCost {self.name!r}: input_saved_bytes={self.input_saved_bytes} exceeds "
                 f"input_bytes={self.input_bytes}; a block cannot save more of its input than it receives."
+            )
+        if self.input_unsaved_bytes > self.input_bytes:
+            raise ValueError(
+                f"BlockCost {self.name!r}: input_unsaved_bytes={self.input_unsaved_bytes} exceeds "
+                f"input_bytes={self.input_bytes}; the unsaved part of the input cannot be larger than the input."
             )
         if self.output_saved_bytes > self.output_bytes:
             raise ValueError(
@@ -171,12 +200,21 @@ def ckpt_forward_bytes(block: BlockCost) -> int:
         + block.fwd_transient_bytes
     )
 
+def segment_inflight_bytes(blocks, first: int, last: int) -> int:
+    """[constraint] The peak of segment [first, last]'s forward when it saves nothing, above what was
+    live before it: each block's input and in-flight bytes (`ckpt_forward_bytes`), beside the
+    segment's boundary from the second block on (as a segment's forward runs inside a recompute)."""
+    x = blocks[first].input_bytes
+    return max((x if b > first else 0) + blocks[b].input_bytes + ckpt_forward_bytes(blocks[b]) for b in range(first, last + 1))
+
+
 @dataclass(frozen=True)
 class StepCost:
     """The whole training step at one batch size.
 
     static_bytes: parameters, buffers and optimizer state, resident all step.
-    outside_grad_bytes: gradients of trainable parameters outside the blocks.
+    outside_grad_bytes: gradients of trainable parameters outside the blocks; the head's
+        backward makes them, but for those `BlockCost.gap_grad_bytes` says come later.
     pre_saved_bytes: activations saved before the first block (embedding, ...).
     batch_bytes: the batch itself (inputs and targets on the device): alive all step,
         and not counted in any block's saved or boundary bytes.
@@ -195,6 +233,8 @@ class StepCost:
         backward that makes it, which `bwd_transient_bytes` (profiled with no gradients
         allocated, so each gradient is new there) already holds.
     optimizer_transient_bytes: scratch space of the optimizer step.
+    carried_end_bytes: carried storages (`BlockCost.carried_fwd_bytes`) alive when the last block's
+        forward ends: the head, the loss and the head's backward run on top of them.
     meta: what explains the numbers: `step_fwd_flops`, and `rates` (a
         `MachineRates.to_dict()`) when the profile measured them.
     """
@@ -210,11 +250,26 @@ class StepCost:
     grads_live_in_forward: bool = True
     grads_accumulate: bool = False
     optimizer_transient_bytes: int = 0
+    carried_end_bytes: int = 0
     meta: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        late = sum(b.gap_grad_bytes for b in self.blocks)
+        if late > self.outside_grad_bytes:
+            raise ValueError(
+                f"StepCost: the blocks' gap_grad_bytes sum to {late}, more than outside_grad_bytes="
+                f"{self.outside_grad_bytes}; they are the part of the gradients outside the blocks that the "
+                "backward makes late, so they cannot exceed them. Check the profile that produced it."
+            )
 
     @property
     def n_blocks(self) -> int:
         return len(self.blocks)
+
+    @property
+    def head_outside_grad_bytes(self) -> int:
+        """The gradients outside the blocks that the head's backward makes (last used after the chain)."""
+        return self.outside_grad_bytes - sum(b.gap_grad_bytes for b in self.blocks)
 
     @property
     def rates(self) -> MachineRates | None:
@@ -238,6 +293,7 @@ class StepCost:
             "grads_live_in_forward": self.grads_live_in_forward,
             "grads_accumulate": self.grads_accumulate,
             "optimizer_transient_bytes": self.optimizer_transient_bytes,
+            "carried_end_bytes": self.carried_end_bytes,
             "blocks": [dataclasses.asdict(b) for b in self.blocks],
             "meta": dict(self.meta),
         }

@@ -30,10 +30,18 @@ _BLOCK_LINEAR = (
     "fwd_rng_bytes",
     "tail_rng_bytes",
     "fwd_ms",
+    "carried_fwd_bytes",
+    "carried_bwd_bytes",
+    "gap_fwd_bytes",
+    "input_unsaved_bytes",
 )
 # each tail is part of its forward: (tail, whole)
 _TAILS = (("tail_flops", "fwd_flops"), ("tail_mem_bytes", "fwd_mem_bytes"), ("tail_rng_bytes", "fwd_rng_bytes"))
-_STEP_LINEAR = ("pre_saved_bytes", "batch_bytes", "post_saved_bytes")
+_STEP_LINEAR = ("pre_saved_bytes", "batch_bytes", "post_saved_bytes", "carried_end_bytes")
+_WORK = ("fwd_mem_bytes", "tail_mem_bytes", "fwd_rng_bytes", "tail_rng_bytes")  # bytes written, not held
+# what a miss at the check slice is measured on: every size the memory model holds
+_CHECKED = tuple(f for f in _BLOCK_LINEAR if f.endswith("_bytes") and f not in _WORK) + ("ckpt_fwd_peak_bytes",)
+_CHECKED_STEP = (*_STEP_LINEAR, "post_forward_bytes")
 # measured time differences (`profiling.keep_calibration`), on a line like `fwd_ms` when both probes have them
 _SIGNED_TIMES = ("keep_saved_ms", "keep_draws_saved_ms")
 
@@ -114,6 +122,7 @@ class Profile:
                 kw[f] = v if f == "fwd_ms" else int(round(v))
             kw["input_saved_bytes"] = min(kw["input_saved_bytes"], kw["input_bytes"])
             kw["output_saved_bytes"] = min(kw["output_saved_bytes"], kw["output_bytes"])
+            kw["input_unsaved_bytes"] = min(kw["input_unsaved_bytes"], kw["input_bytes"])
             kw["input_saved_by_previous_bytes"] = min(kw["input_saved_by_previous_bytes"], kw["input_bytes"])
             if b1.ckpt_fwd_peak_bytes is not None and b2.ckpt_fwd_peak_bytes is not None:
                 kw["ckpt_fwd_peak_bytes"] = int(
@@ -154,17 +163,30 @@ class Profile:
         return StepCost(blocks=tuple(blocks), batch_size=int(batch_size), meta=meta, **fields, **base)
 
     def check_error(self) -> float:
-        """Largest relative error of the predicted total saved and boundary bytes at the check probe."""
+        """`relative_miss` of the lines at the check probe (0.0 without one)."""
         if self.check is None:
             return 0.0
-        pred = self.at(self.check.batch_size)
-        worst = 0.0
-        for p, m in zip(pred.blocks, self.check.blocks):
-            for f in ("saved_bytes", "input_bytes"):
-                mv = getattr(m, f)
-                if mv > 0:
-                    worst = max(worst, abs(getattr(p, f) - mv) / mv)
-        return worst
+        return relative_miss(self.at(self.check.batch_size), self.check)
+
+    @property
+    def fit_note(self) -> str | None:
+        """What `refit_without_smallest` did, in words, or None when the lines go through the
+        probes as taken."""
+        refit = self.probes[0].meta.get("refit")
+        if not refit:
+            return None
+        a, b = (p.batch_size for p in self.probes)
+        out = refit["left_out"]
+        sizes = f"batch {out[0]}" if len(out) == 1 else "batches " + ", ".join(map(str, out[:-1])) + f" and {out[-1]}"
+        checked = (
+            f"; at batch {self.check.batch_size} the new lines miss by {100 * self.check_error():.1f}%"
+            if self.check is not None else "; no larger slice was left to check them"
+        )
+        return (
+            f"bytes measured at {sizes} are off the line through the larger slices (the line "
+            f"through batches {refit['line'][0]} and {refit['line'][1]} missed batch {refit['checked']} by "
+            f"{100 * refit['miss']:.1f}%), so the profile is fitted on batches {a} and {b}{checked}"
+        )
 
     def to_dict(self) -> dict:
         return {
@@ -179,15 +201,27 @@ class Profile:
         return cls(probes=probes, check=check)  # type: ignore[arg-type]
 
 
+MISS_FLOOR = 0.01  # share of the step's activation bytes below which a field's miss is measured against it
+
+
 def relative_miss(predicted: StepCost, measured: StepCost) -> float:
-    """Largest relative error of the predicted saved and boundary bytes of any block, and of the
-    bytes around the chain (before it, after it, the batch)."""
+    """Largest relative error of any size the memory model holds (`_CHECKED`: per block saved,
+    boundary, output, scratch, in-flight, carried and gap bytes; around the chain the bytes before
+    and after it, the batch, the carried bytes at its end). Each error is relative to the measured
+    value, or to `MISS_FLOOR` of the step's activation bytes when that is larger: a field of a few
+    bytes, far below anything that moves the peak, does not decide."""
+    scale = MISS_FLOOR * (
+        sum(b.saved_bytes for b in measured.blocks)
+        + sum(getattr(measured, f) for f in _STEP_LINEAR)
+    )
+    pairs = [(getattr(p, f), getattr(m, f)) for p, m in zip(predicted.blocks, measured.blocks) for f in _CHECKED]
+    pairs += [(getattr(predicted, f), getattr(measured, f)) for f in _CHECKED_STEP]
     worst = 0.0
-    pairs = [(getattr(p, f), getattr(m, f)) for p, m in zip(predicted.blocks, measured.blocks) for f in ("saved_bytes", "input_bytes")]
-    pairs += [(getattr(predicted, f), getattr(measured, f)) for f in _STEP_LINEAR]
     for p, m in pairs:
-        if m > 0:
-            worst = max(worst, abs(p - m) / m)
+        if p is None or m is None:
+            continue
+        if max(m, scale) > 0:
+            worst = max(worst, abs(p - m) / max(m, scale))
     return worst
 
 
@@ -198,10 +232,16 @@ def refit_without_smallest(profile: Profile) -> Profile:
     """The profile's lines through its two larger slices when the line through the two smaller ones
     misses the check slice by more than `REFIT_TOLERANCE`: the smallest slice can run other code than
     the batch does (an attention mask dropped when its one sample has no padding, a reshape that
-    copies only from two samples on), and the larger slices are more like the batch."""
-    if profile.check is None or relative_miss(profile.at(profile.check.batch_size), profile.check) <= REFIT_TOLERANCE:
+    copies only from two samples on, attention dropout's scratch at one sample), and the larger slices
+    are more like the batch. The refit probes say so in `meta["refit"]` (`Profile.fit_note`)."""
+    if profile.check is None:
         return profile
+    miss = relative_miss(profile.at(profile.check.batch_size), profile.check)
     small, large = profile.probes
-    if profile.check.batch_size <= large.batch_size:
+    if miss <= REFIT_TOLERANCE or profile.check.batch_size <= large.batch_size:
         return profile
-    return Profile(probes=(large, profile.check), check=None)
+    before = small.meta.get("refit", {}).get("left_out", [])  # left out by an earlier refit
+    note = {"left_out": [*before, small.batch_size], "line": [small.batch_size, large.batch_size],
+            "checked": profile.check.batch_size, "miss": miss}
+    probes = tuple(dataclasses.replace(p, meta={**p.meta, "refit": note}) for p in (large, profile.check))
+    return Profile(probes=probes, check=None)  # type: ignore[arg-type]

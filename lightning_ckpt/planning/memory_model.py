@@ -10,8 +10,10 @@ bytes R_e the elements before it leave resident, and the peak is
 
 A block checkpointed alone may keep some op outputs (op-level plans, `op_options`):
 its element is the one-block segment's with the kept bytes resident and in its forward
-(`selective_element`). `predict_peak` evaluates it (scalar form); `element_arrays` and `segment_need_rows`
-hold the same terms as numpy columns for `chain_planner`. See docs/design.md.
+(`selective_element`). The whole step is in the terms: what modules outside the chain
+hold and what outlives its neighbour edge (`gap_after`, the `carried_*` fields).
+`predict_peak` evaluates it (scalar form); `element_arrays` and `segment_need_rows` hold
+the same terms as numpy columns for `chain_planner`. See docs/design.md.
 """
 
 from __future__ import annotations
@@ -80,23 +82,24 @@ def forward_grad_bytes(cost: StepCost) -> int:
 
 
 def gradients_after(cost: StepCost) -> list[int]:
-    """Per block, the parameter gradients that exist during its backward: those outside
-    the blocks (the head's backward runs first) and those of every later block; all of
-    them when the step accumulates into gradients earlier micro-batches made."""
+    """Per block, the parameter gradients that exist during its backward: those the head's
+    backward made (it runs first), those of every later block and of the modules outside
+    the chain after it (`gap_grad_bytes`); all of them when the step accumulates into
+    gradients earlier micro-batches made."""
     if cost.grads_accumulate:
         return [cost.grad_bytes] * cost.n_blocks
     after = [0] * cost.n_blocks
-    acc = cost.outside_grad_bytes
+    acc = cost.head_outside_grad_bytes
     for i in range(cost.n_blocks - 1, -1, -1):
         after[i] = acc
-        acc += cost.blocks[i].grad_bytes
+        acc += cost.blocks[i].grad_bytes + cost.blocks[i].gap_grad_bytes
     return after
 
 
 def head_grad_bytes(cost: StepCost) -> int:
-    """The parameter gradients that exist during the head's backward: those outside the
-    blocks, or all of them when the step accumulates (`gradients_after`)."""
-    return cost.grad_bytes if cost.grads_accumulate else cost.outside_grad_bytes
+    """The parameter gradients that exist during the head's backward: those it makes, or all
+    of them when the step accumulates (`gradients_after`)."""
+    return cost.grad_bytes if cost.grads_accumulate else cost.head_outside_grad_bytes
 
 
 @dataclass(frozen=True)
@@ -119,10 +122,11 @@ def post_forward(cost: StepCost) -> int:
 
 def end_need(cost: StepCost) -> int:
     """[constraint] The end of the forward and the head's backward, on top of what the
-    blocks leave resident: the forward with last step's gradients still allocated
-    (when they are), the head's backward with only the gradients outside the blocks
-    (all gradients when the step accumulates)."""
-    return base_bytes(cost) + max(post_forward(cost) + forward_grad_bytes(cost), cost.post_saved_bytes + head_grad_bytes(cost))
+    blocks leave resident: the forward with last step's gradients still allocated (when they
+    are), the head's backward with the gradients it makes (all of them when the step
+    accumulates), both with the carried storages alive then."""
+    head = max(post_forward(cost) + forward_grad_bytes(cost), cost.post_saved_bytes + head_grad_bytes(cost))
+    return base_bytes(cost) + head + cost.carried_end_bytes
 
 
 def end_relief(cost: StepCost, last_kept: bool) -> int:
@@ -159,8 +163,7 @@ class Element(NamedTuple):
     resident_bytes: int
 
     @property
-    def need_bytes(self) -> int:
-        """need_e: the element's own peak on top of R_e."""
+    def need_bytes(self) -> int:  # need_e: the element's own peak on top of R_e
         return max(self.forward_bytes, self.backward_bytes)
 
 
@@ -195,18 +198,27 @@ def boundary_shifts(cost: StepCost, segments: Segments) -> list[int]:
     return shift
 
 
+def gap_after(cost: StepCost, last: int) -> int:
+    """[constraint] The modules outside the chain between block `last` and the next one run
+    on top of what the element ending at `last` leaves resident (`BlockCost.gap_fwd_bytes`)."""
+    return cost.blocks[last + 1].gap_fwd_bytes if last + 1 < cost.n_blocks else 0
+
+
 def kept_element(cost: StepCost, p: int, terms: StepTerms) -> Element:
     """Block `p` kept (`terms` = `step_terms(cost)`).
 
     [constraint] it leaves what it saved resident. Its forward also holds its output
     (less the part it saves) and its scratch, with last step's gradients allocated;
     its backward holds the gradient of its output and its scratch, with the
-    gradients of later blocks.
+    gradients of later blocks. Both hold the carried storages alive then, its forward the
+    part of its input no block saves; the gap after it runs on what it saved (less its
+    output, which the gap's bytes hold).
     """
     blk = cost.blocks[p]
     base = terms.base_bytes + blk.saved_bytes
     fwd = base + terms.forward_grad_bytes + blk.output_bytes - blk.output_saved_bytes + blk.fwd_transient_bytes
-    bwd = base + terms.gradients_after[p] + blk.output_bytes + blk.bwd_transient_bytes
+    fwd = max(fwd + blk.input_unsaved_bytes + blk.carried_fwd_bytes, base + terms.forward_grad_bytes + gap_after(cost, p) - blk.output_saved_bytes)
+    bwd = base + terms.gradients_after[p] + blk.output_bytes + blk.bwd_transient_bytes + blk.carried_bwd_bytes
     return Element(p, p, False, fwd, bwd, p, blk.saved_bytes)
 
 
@@ -221,6 +233,8 @@ def segment_elements(cost: StepCost, first: int, terms: StepTerms) -> Iterator[E
     rebuilds the interior at once on top of the boundary (counted once when the first
     block saves its input); the last block's backward also sees the recompute's
     forward scratch, and block k < b runs its backward with blocks first..k rebuilt.
+    Each block's forward and backward hold the carried storages alive then; the gap
+    after block b runs on the boundary.
     """
     blocks = cost.blocks
     after = terms.gradients_after
@@ -231,15 +245,16 @@ def segment_elements(cost: StepCost, first: int, terms: StepTerms) -> Iterator[E
     inner, inner_at = None, first  # the largest backward of a block before b, and its block
     for b in range(first, len(blocks)):
         blk = blocks[b]
-        fwd = max(fwd, fwd_base + (x if b > first else 0) + blk.input_bytes + ckpt_forward_bytes(blk))
+        fwd = max(fwd, fwd_base + (x if b > first else 0) + blk.input_bytes + ckpt_forward_bytes(blk) + blk.carried_fwd_bytes)
         rebuilt += blk.saved_bytes
         scratch = max(scratch, blk.fwd_transient_bytes)
-        held = bwd_base + after[b] + rebuilt + blk.output_bytes
+        held = bwd_base + after[b] + rebuilt + blk.output_bytes + blk.carried_bwd_bytes
         last = held + max(blk.bwd_transient_bytes, scratch)
+        out = max(fwd, fwd_base + x + gap_after(cost, b))
         if inner is None or last >= inner:
-            yield Element(first, b, True, fwd, last, b, x)
+            yield Element(first, b, True, out, last, b, x)
         else:
-            yield Element(first, b, True, fwd, inner, inner_at, x)
+            yield Element(first, b, True, out, inner, inner_at, x)
         if inner is None or held + blk.bwd_transient_bytes >= inner:
             inner, inner_at = held + blk.bwd_transient_bytes, b
 
@@ -344,9 +359,11 @@ class ElementArrays:
     o: np.ndarray  # input_saved_by_previous_bytes (n + 1, 0 at 0, end relief at n)
     ft: np.ndarray  # fwd_transient_bytes
     bt: np.ndarray  # bwd_transient_bytes
+    gap: np.ndarray  # the gap after each block (`gap_after`)
+    cb: np.ndarray  # carried_bwd_bytes
     W: np.ndarray  # prefix sums of saved (n + 1)
-    f: np.ndarray  # input + in-flight peak of a forward that saves nothing (a checkpointed block's)
-    v: np.ndarray  # G + W[b+1] + out (G: gradients_after)
+    f: np.ndarray  # input + in-flight peak of a forward that saves nothing (a checkpointed block's), + carried
+    v: np.ndarray  # G + W[b+1] + out + carried (G: gradients_after)
     inner: np.ndarray  # v + bt: backward of a non-last segment block, less the segment's base
     keep_need: np.ndarray
 
@@ -361,7 +378,8 @@ def element_arrays(cost: StepCost) -> ElementArrays:
         return np.array([getattr(b, name) for b in blocks], dtype=i64) if n else np.zeros(0, dtype=i64)
 
     saved, x, xs, out, os_ = (col(k) for k in ("saved_bytes", "input_bytes", "input_saved_bytes", "output_bytes", "output_saved_bytes"))
-    ft, bt = col("fwd_transient_bytes"), col("bwd_transient_bytes")
+    ft, bt, cf, cb, xu = (col(k) for k in ("fwd_transient_bytes", "bwd_transient_bytes", "carried_fwd_bytes", "carried_bwd_bytes", "input_unsaved_bytes"))
+    gap = np.concatenate((col("gap_fwd_bytes")[1:], np.zeros(min(n, 1), dtype=i64)))
     G = np.array(gradients_after(cost), dtype=i64)
     sh = np.concatenate((col("shared_with_previous_bytes"), np.zeros(1, dtype=i64)))
     o = np.concatenate((col("input_saved_by_previous_bytes"), np.zeros(1, dtype=i64)))
@@ -370,7 +388,7 @@ def element_arrays(cost: StepCost) -> ElementArrays:
     W = np.zeros(n + 1, dtype=i64)
     np.cumsum(saved, out=W[1:])
     static, fwd_grads = base_bytes(cost), forward_grad_bytes(cost)
-    v = G + W[1:] + out
+    v = G + W[1:] + out + cb
     return ElementArrays(
         n=n,
         static=static,
@@ -385,12 +403,14 @@ def element_arrays(cost: StepCost) -> ElementArrays:
         o=o,
         ft=ft,
         bt=bt,
+        gap=gap,
+        cb=cb,
         W=W,
-        f=x + np.array([ckpt_forward_bytes(b) for b in blocks], dtype=i64).reshape(n),
+        f=x + np.array([ckpt_forward_bytes(b) for b in blocks], dtype=i64).reshape(n) + cf,
         v=v,
         inner=v + bt,
-        # [constraint] `kept_element`: forward or backward on top of what it saved
-        keep_need=static + saved + np.maximum(fwd_grads + out - os_ + ft, G + out + bt),
+        # [constraint] `kept_element`: forward, the gap after it or backward, on top of what it saved
+        keep_need=static + saved + np.maximum(np.maximum(fwd_grads + out - os_ + ft + cf + xu, fwd_grads + gap - os_), G + out + bt + cb),
     )
 
 
@@ -409,6 +429,7 @@ def segment_need_rows(a: ElementArrays, p0: int, p1: int, width: int) -> np.ndar
     fwd = win(a.f) + a.x[rows, None]
     fwd[:, 0] -= a.x[rows]
     np.maximum.accumulate(fwd, axis=1, out=fwd)
+    np.maximum(fwd, win(a.gap) + a.x[rows, None], out=fwd)  # the gap after the segment, on its boundary
     fwd += a.static + a.fwd_grads
     # [constraint] backward: the interior is rebuilt at once on top of the boundary; the
     # last block's backward also sees the recompute's forward scratch; block k < b runs
@@ -424,6 +445,6 @@ def segment_need_rows(a: ElementArrays, p0: int, p1: int, width: int) -> np.ndar
 def single_segment_parts(a: ElementArrays) -> tuple[np.ndarray, np.ndarray]:
     """Forward and backward bytes of every one-block segment [p, p] (`segment_elements`),
     apart: a selective block adds its kept bytes to the forward only (`selective_element`)."""
-    fwd = a.static + a.fwd_grads + a.f
+    fwd = a.static + a.fwd_grads + np.maximum(a.f, a.x + a.gap)
     bwd = a.static + a.x - a.xs + a.v - a.W[:-1] + np.maximum(a.bt, a.ft)
     return fwd, bwd

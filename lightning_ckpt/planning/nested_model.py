@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lightning_ckpt.planning.costs import StepCost
+from lightning_ckpt.planning.costs import StepCost, segment_inflight_bytes
 
 Span = tuple[int, int]
 
@@ -114,7 +114,7 @@ def nested_backward(cost: StepCost, first: int, last: int, inner: Sequence[Span]
       block p:  saved_p + G_p + out_p + bwd_scratch_p            (its backward)
       child c:  the child's own backward (this function, or a plain segment's), and, when
                 something after it is saved, its forward inside the recompute: a plain
-                segment's forward with G_last + out_last (gradients held then) instead of
+                segment's in-flight bytes with G_last + out_last (gradients held then) instead of
                 last step's gradients
       end:      P_all + G_last + out_last + max fwd_scratch over blocks in no child
                 (the last block's backward meets the recompute's forward scratch)
@@ -130,7 +130,7 @@ def nested_backward(cost: StepCost, first: int, last: int, inner: Sequence[Span]
     gradients_after = terms.gradients_after
     base, fwd_grads = terms.base_bytes, terms.forward_grad_bytes
     elements = inner_elements(first, last, inner)
-    held_grads = gradients_after[last] + blocks[last].output_bytes
+    held_grads = gradients_after[last] + blocks[last].output_bytes + blocks[last].carried_bwd_bytes
     head = blocks[first]
     resident = head.input_bytes - head.input_saved_bytes if not elements[0][2] else 0
     best, at = -1, last
@@ -148,7 +148,7 @@ def nested_backward(cost: StepCost, first: int, last: int, inner: Sequence[Span]
             if resident + need >= best:
                 best, at = resident + need, where
             if j < len(elements) - 1:
-                fwd = plain(a, b).forward_bytes - base - fwd_grads + held_grads
+                fwd = segment_inflight_bytes(blocks, a, b) + held_grads
                 if resident + fwd >= best:
                     best, at = resident + fwd, b
             resident += blocks[a].input_bytes
@@ -156,7 +156,7 @@ def nested_backward(cost: StepCost, first: int, last: int, inner: Sequence[Span]
             blk = blocks[a]
             if prev_child:
                 resident += blk.shared_with_previous_bytes
-            need = blk.saved_bytes + gradients_after[a] + blk.output_bytes + blk.bwd_transient_bytes
+            need = blk.saved_bytes + gradients_after[a] + blk.output_bytes + blk.bwd_transient_bytes + blk.carried_bwd_bytes
             if resident + need >= best:
                 best, at = resident + need, a
             resident += blk.saved_bytes

@@ -66,12 +66,14 @@ class LiveBytesTracker(TorchDispatchMode):
     `live_bytes` is what is alive now, `peak_bytes` the most seen since the last
     `reset_peak()`. Storages that existed before the mode (parameters, the batch)
     are not counted: add a baseline yourself (`unique_storage_bytes`) when you
-    want the whole picture. `device` limits counting to one device type.
+    want the whole picture. `device` limits counting to one device type. A `ledger`
+    (`lifetimes.StorageLedger`) is told of every storage made, read and freed.
     """
 
-    def __init__(self, device: str | None = None) -> None:
+    def __init__(self, device: str | None = None, ledger: Any = None) -> None:
         super().__init__()
         self.device = device
+        self.ledger = ledger
         self.live_bytes = 0
         self.peak_bytes = 0
         self._live: dict[tuple[str, int], int] = {}
@@ -98,6 +100,8 @@ class LiveBytesTracker(TorchDispatchMode):
         nbytes = self._live.pop(key, None)
         if nbytes is not None:
             self.live_bytes -= nbytes
+            if self.ledger is not None:
+                self.ledger.freed(key)
 
     def _track(self, t: torch.Tensor) -> None:
         if self.device is not None and t.device.type != self.device:
@@ -110,6 +114,8 @@ class LiveBytesTracker(TorchDispatchMode):
         self._live[key] = nbytes
         self.live_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        if self.ledger is not None:
+            self.ledger.born(key, nbytes)
         self._finalizers.append(weakref.finalize(st, self._free, key))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -118,6 +124,8 @@ class LiveBytesTracker(TorchDispatchMode):
         # Views and in-place results share an input's storage: that storage was either
         # counted when it was made or existed before the mode (a parameter): skip it.
         inputs = {storage_key(t) for t in flat_in if isinstance(t, torch.Tensor)}
+        if self.ledger is not None:
+            self.ledger.used(inputs)
         flat, _ = tree_flatten(out)
         for t in flat:
             if isinstance(t, torch.Tensor) and storage_key(t) not in inputs:

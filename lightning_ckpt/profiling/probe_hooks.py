@@ -1,0 +1,307 @@
+"""Hooks and counters for one measured training step (`profiler.probe_step` runs them).
+
+Forward pre- and post-hooks on every block mark its window and read its boundary tensors, a
+saved-tensor hook charges each saved storage to the first block that saves it, gradient hooks
+on block outputs mark the backward windows, and a ledger of storage lives (`lifetimes`) lets
+`account_carried` take what outlives its neighbour edge out of the per-block fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_ckpt.profiling.batch import first_tensor, tensors_in
+from lightning_ckpt.profiling.chain_check import receives_output, tensor_version
+from lightning_ckpt.profiling.lifetimes import PRE, Marks, StorageLedger, block_region, carried_terms, gap_region, is_local
+from lightning_ckpt.profiling.op_bytes import OpBytesCounter
+from lightning_ckpt.profiling.op_profile import OpProfileRecorder
+from lightning_ckpt.profiling.tracker import LiveBytesTracker, storage_bytes, storage_key
+
+__all__ = ["Probe"]
+
+
+class Probe:
+    """Hooks and counters for one measured step."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        blocks: Sequence[nn.Module],
+        tracker: LiveBytesTracker,
+        flops: FlopCounterMode,
+        names: Sequence[str],
+        work: OpBytesCounter | None = None,
+        batch_keys: set | None = None,
+        op_profile: OpProfileRecorder | None = None,
+    ):
+        self.blocks = list(blocks)
+        self.names = list(names)
+        self.next_block = 0
+        self.n = len(self.blocks)
+        self.tracker = tracker
+        self.flops = flops
+        self.work = work
+        # per op call of each block's forward, fed by `work` while the block runs
+        self.op_profile = op_profile if work is not None else None
+        self.ops: list[tuple] = [()] * len(self.blocks)
+        self.param_keys = {storage_key(p) for p in model.parameters()}
+        # ZeRO-3 and FSDP2 parameters are empty or sharded until gathered: also tell them by identity.
+        self.param_ids = {id(p) for p in model.parameters()}
+        # the batch is alive all step (`StepCost.batch_bytes`): never a block's saved or boundary bytes
+        self.batch_keys = batch_keys or set()
+        self.current: int | None = None
+        self.done_blocks = 0
+        self.owner: dict[Any, int] = {}
+        n = self.n
+        self.saved = [0] * n
+        self.input_key: list[Any] = [None] * n
+        self.input_bytes = [0] * n
+        self.input_saved = [0] * n
+        self.shared_prev = [0] * n
+        self.shared_keys: list[set] = [set() for _ in range(n)]
+        self.input_by_prev = [0] * n
+        self.output_bytes = [0] * n
+        self.output_saved = [0] * n
+        self.fwd_transient = [0] * n
+        self.bwd_transient = [0] * n
+        self.fwd_flops = [0] * n
+        self.flops_at_entry = [0] * n
+        self.flops_at_last_pack = [0] * n
+        # (mem_bytes, rng_bytes) written by 0-FLOP ops: at entry, in the forward, at the last pack
+        self.work_at_entry = [(0, 0)] * n
+        self.fwd_work = [(0, 0)] * n
+        self.work_at_last_pack = [(0, 0)] * n
+        self.chains = [True] * n
+        self.live_entry = [0] * n
+        self.pre_bytes = 0
+        self.pre_own = 0
+        self.post_peak = 0
+        self.post_fwd_peak: int | None = None
+        self.live_after_last = 0
+        self.prev_output: Any = None
+        self.last_output: Any = None
+        self.prev_version: int | None = None
+        self.bwd_open: int | None = None  # block whose backward window is open
+        self.bwd_start_live = 0
+        self.post_open = False
+        # storage lives (`lifetimes`): window ticks, the serials behind each block's fields
+        self.ledger: StorageLedger = tracker.ledger
+        self.entry_tick = [0] * n
+        self.exit_tick = [0] * n
+        self.grad_tick: list[int | None] = [None] * n
+        self.grad_serial: dict[int, int] = {}
+        self.owned: list[list] = [[] for _ in range(n)]  # (serial, bytes) of what each block saved first
+        self.shared_serials: list[list] = [[] for _ in range(n)]
+        self.input_serial: list[int | None] = [None] * n
+        self.output_serial: list[int | None] = [None] * n
+        self.input_unsaved = [0] * n
+        self.gap_peak = [0] * n  # peak of the modules between block k - 1 and block k, above their start
+        self.live_exit = [0] * n
+
+    # forward
+    def pre_hook(self, module, args, kwargs):
+        i = self._index(module)
+        if i != self.next_block:
+            names = self.names
+            raise ValueError(
+                f"block {names[i]!r} ran when block {names[self.next_block] if self.next_block < self.n else 'none'!r} "
+                "was expected: the blocks must be listed in the order the forward calls them, each once per step. "
+                "Reorder blocks, or name a container whose children run in order."
+            )
+        self.next_block = i + 1
+        if i > 0:
+            self.gap_peak[i] = max(0, self.tracker.peak_bytes - self.live_exit[i - 1])
+        first = first_tensor(args) if args else first_tensor(kwargs)
+        rest = [t for t in tensors_in((args, kwargs)) if t is not first]
+        self.ledger.passed([storage_key(t) for t in ([first] if first is not None else []) + rest], i)
+        self.ledger.region = block_region(i)
+        self.entry_tick[i] = self.ledger.mark()
+        if i > 0:
+            # the previous output itself, or an alias of it (ZeRO-3 re-wraps it): see `receives_output`
+            self.chains[i] = bool(args) and receives_output(args[0], self.prev_output, self.prev_version)
+        self.prev_output = None  # held no longer than the step holds it: its life is measured
+        self.current = i
+        # FSDP2 (like ZeRO-3) swaps in unsharded parameters just before a block runs: know them by identity
+        self.param_ids.update(id(p) for p in module.parameters())
+        self.input_key[i] = storage_key(first) if first is not None else None
+        self.input_serial[i] = self.ledger.serial(self.input_key[i])
+        in_batch = self.input_key[i] in self.batch_keys
+        self.input_bytes[i] = storage_bytes(first) if first is not None and not in_batch else 0
+        if i > 0 and self.input_key[i] is not None and self.owner.get(self.input_key[i]) == i - 1:
+            self.input_by_prev[i] = self.input_bytes[i]
+        self.live_entry[i] = self.tracker.live_bytes
+        if i == 0:
+            own = self.input_bytes[0] if self.tracker.is_live(self.input_key[0]) else 0
+            self.pre_own = own
+            self.pre_bytes = max(0, self.tracker.live_bytes - own)
+        self.tracker.reset_peak()
+        self.flops_at_entry[i] = self.flops.get_total_flops()
+        self.flops_at_last_pack[i] = self.flops_at_entry[i]
+        self.work_at_entry[i] = self.work_at_last_pack[i] = self._work()
+        if self.op_profile is not None:
+            self.op_profile.begin()
+            self.work.on_op = self.op_profile.record
+
+    def post_hook(self, module, args, output):
+        i = self._index(module)
+        out = first_tensor(output)
+        self.prev_output = out if i + 1 < self.n else None
+        if i + 1 == self.n:
+            # [constraint] held through the backward on purpose: the last block's backward scratch is then
+            # measured as a recompute sees it (a segment's rebuilt output stays alive through that block's
+            # backward); `carried_terms` knows the hold is the probe's, not the step's
+            self.last_output = out
+        self.prev_version = tensor_version(out)
+        live = self.tracker.live_bytes
+        self.output_bytes[i] = storage_bytes(out) if out is not None else 0
+        if out is not None and self.owner.get(storage_key(out)) == i:
+            self.output_saved[i] = self.output_bytes[i]
+        self.fwd_transient[i] = max(0, self.tracker.peak_bytes - live)
+        self.fwd_flops[i] = self.flops.get_total_flops() - self.flops_at_entry[i]
+        self.fwd_work[i] = _minus(self._work(), self.work_at_entry[i])
+        if self.op_profile is not None:
+            self.work.on_op = None
+            self.ops[i] = self.op_profile.end()
+        self.current = None
+        if out is not None and out.requires_grad:
+            out.register_hook(self._bwd_marker(i))
+        self.output_serial[i] = self.ledger.serial(storage_key(out)) if out is not None else None
+        self.ledger.region = gap_region(i + 1)
+        self.exit_tick[i] = self.ledger.mark()
+        self.live_exit[i] = live
+        self.tracker.reset_peak()  # the gap's window (`gap_peak`), or the head's
+        if i == self.n - 1:
+            self.live_after_last = live - (self.output_bytes[i] if self.tracker.is_live(storage_key(out)) else 0)
+            self.post_open = True
+            self.tracker.reset_peak()
+
+    def pack(self, t: torch.Tensor):
+        i = self.current
+        self.ledger.saved(storage_key(t))
+        if i is not None:
+            key = storage_key(t)
+            base = t if t._base is None else t._base
+            activation = (
+                key is not None and key not in self.param_keys and key not in self.batch_keys
+                and id(base) not in self.param_ids
+            )
+            if activation:
+                first_owner = self.owner.get(key)
+                if first_owner is None:
+                    self.owner[key] = i
+                    nbytes = storage_bytes(t)
+                    self.saved[i] += nbytes
+                    self.owned[i].append((self.ledger.serial(key), nbytes))
+                    if key == self.input_key[i]:
+                        self.input_saved[i] = nbytes
+                elif first_owner == i - 1 and key not in self.shared_keys[i]:
+                    # [constraint] saved by the previous block too: counted there, and
+                    # here only when that block is checkpointed and this one kept.
+                    self.shared_keys[i].add(key)
+                    self.shared_prev[i] += storage_bytes(t)
+                    self.shared_serials[i].append((self.ledger.serial(key), storage_bytes(t)))
+            self.flops_at_last_pack[i] = self.flops.get_total_flops()
+            self.work_at_last_pack[i] = self._work()
+            if self.op_profile is not None:
+                self.op_profile.packed(key if activation else None)
+        return t
+
+    @staticmethod
+    def unpack(t):
+        return t
+
+    def _work(self) -> tuple[int, int]:
+        return self.work.snapshot() if self.work is not None else (0, 0)
+
+    def tail_work(self, i: int) -> tuple[int, int]:
+        """(mem, rng) bytes written after block i's last saved tensor (early stop skips them)."""
+        return _minus(self.fwd_work[i], _minus(self.work_at_last_pack[i], self.work_at_entry[i]))
+
+    # backward
+    def _bwd_marker(self, i: int):
+        def hook(grad):
+            self._close_window()
+            self.grad_tick[i] = self.ledger.mark()
+            serial = self.ledger.serial(storage_key(grad))
+            if serial is not None:
+                self.grad_serial[i] = serial
+            self.bwd_open = i
+            self.bwd_start_live = self.tracker.live_bytes
+            self.tracker.reset_peak()
+
+        return hook
+
+    def _close_window(self) -> None:
+        if self.post_open:
+            self.post_peak = max(0, self.tracker.peak_bytes - self.live_after_last)
+            self.post_open = False
+        if self.bwd_open is not None:
+            self.bwd_transient[self.bwd_open] = max(0, self.tracker.peak_bytes - self.bwd_start_live)
+            self.bwd_open = None
+
+    def account_carried(
+        self, model: nn.Module, forward_end: int, backward_end: int, ckpt_peaks: list[int], outside: dict
+    ):
+        """[constraint] What outlives its neighbour edge (`lifetimes.is_local`) leaves the per-block
+        fields and is counted in the windows it is alive in; a block after a gap that ran ops does
+        not chain (inside a segment the gap would not be rebuilt). The gradient of a parameter
+        outside the blocks (`outside`: storage key -> gradient bytes) is made by the backward of
+        the region that read it last. -> (carried terms, gap bytes, late gradient bytes per block)."""
+        led, n = self.ledger, self.n
+        late = [0] * n
+        for key, nbytes in outside.items():
+            r = led.param_last.get(key)
+            if r is None:
+                continue  # never read (or not seen, as a sharded parameter): the head's, as before
+            # read last before block k (in the gap before it, in block k - 1, or before the chain)
+            k = (r + 1) // 2 if r % 2 else r // 2 + 1
+            if k < n:
+                late[k] += nbytes
+        busy = {led.born_in[s] for s in range(len(led.nbytes)) if led.born_forward[s]}
+        busy |= {r for regions in led.saved_in for r in regions}
+        for k in range(1, n):
+            if gap_region(k) in busy:
+                self.chains[k] = False
+        grads = {led.serial(storage_key(p.grad)) for p in model.parameters() if p.grad is not None} - {None}
+        marks = Marks(self.entry_tick, self.exit_tick, self.grad_tick, forward_end, backward_end)
+        terms = carried_terms(led, marks, self.chains, grads, self.output_serial, self.grad_serial)
+        self.last_output = None
+
+        def carried(s) -> bool:
+            if s is None:
+                return False
+            return s in terms.carried or (led.born_in[s] == PRE and not is_local(led, s, n))
+
+        for i in range(n):
+            self.saved[i] -= sum(b for s, b in self.owned[i] if carried(s))
+            self.shared_prev[i] -= sum(b for s, b in self.shared_serials[i] if carried(s))
+            if carried(self.input_serial[i]):
+                self.input_bytes[i] = self.input_saved[i] = self.input_by_prev[i] = 0
+                if i == 0:
+                    self.pre_bytes += self.pre_own  # made before the chain: resident all step with the rest
+            s = self.input_serial[i]
+            if s is not None and not carried(s) and not led.saved_in[s] & {block_region(i), block_region(i - 1)}:
+                self.input_unsaved[i] = self.input_bytes[i]
+            if carried(self.output_serial[i]):
+                self.output_bytes[i] = self.output_saved[i] = 0
+            ckpt_peaks[i] = max(0, ckpt_peaks[i] - terms.born[i])
+        gaps = [0] * n
+        for k in range(1, n):
+            if gap_region(k) in busy:
+                gaps[k] = self.gap_peak[k] + self.output_bytes[k - 1] + terms.at_exit[k - 1]
+        return terms, gaps, late
+
+    def _index(self, module) -> int:
+        for k, b in enumerate(self.blocks):
+            if b is module:
+                return k
+        raise AssertionError("hook on a module that is not a block")
+
+
+def _minus(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    return a[0] - b[0], a[1] - b[1]
