@@ -1,16 +1,20 @@
-"""Process memory (RSS) per training step against the budget, and what the malloc setting costs.
+"""Process memory (RSS) per training step against the budget, and what each malloc setting costs.
 
-    OMP_NUM_THREADS=1 python benchmarks/rss.py                       # both examples, ~5-8 min here
-    OMP_NUM_THREADS=1 python benchmarks/rss.py --quick               # smoke run, < 1 min
-    OMP_NUM_THREADS=1 python benchmarks/rss.py --thresholds 64K 1M 4M --models encoder
+    OMP_NUM_THREADS=1 python benchmarks/rss.py                       # both examples, 18 min on a loaded 2-core machine
+    OMP_NUM_THREADS=1 python benchmarks/rss.py --quick               # smoke run, about 2 min
+    OMP_NUM_THREADS=1 python benchmarks/rss.py --settings 64K 1M 4M --models encoder
 
 For the encoder (configs/encoder48.yaml: batch 16, 300 MiB) and the CNN (configs/cnn.yaml:
 batch 64, 66 MiB), each malloc setting runs in a fresh process: the model is built, malloc is
-set as the callback sets it at fit start (or left at glibc's default), the RSS at that moment
-is the baseline, the step is profiled and planned (`optimal` at the budget) as the callback
-does, then `--steps` AdamW steps run. Per step: the RSS peak (kernel high-water mark, reset
-before each step) minus the baseline, and the process CPU time. Settings of one model run
-interleaved in rounds, so load drifts hit all of them alike.
+set (glibc's mmap and trim thresholds at the given size, as `tune_allocator=True` sets them at
+fit start), or left as it is ("default": glibc's defaults, what a fit gets by default), or
+replaced before the process starts ("tcmalloc", "jemalloc": `LD_PRELOAD` of Debian's
+libtcmalloc-minimal4 / libjemalloc2 with their defaults; skipped when not installed). The RSS
+at that moment is the baseline; the step is profiled and planned (`optimal` at the budget) as
+the callback does, then `--steps` AdamW steps run. Per step: the RSS peak (kernel high-water
+mark, reset before each step) minus the baseline, and the process CPU time. Settings of one
+model run interleaved in rounds, so load drifts hit all of them alike; "x default" is the step
+time against glibc's defaults.
 """
 
 from __future__ import annotations
@@ -29,7 +33,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "examples"), str(ROOT / "benchmarks")]
 
 MIB = 2**20
 BUDGETS = {"encoder": 300 * MIB, "cnn": 66 * MIB}  # memory_budget in configs/encoder48.yaml, configs/cnn.yaml
-ACCEPT_RATIO, ACCEPT_COST = 1.10, 0.05
+PRELOADS = {
+    "tcmalloc": "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+    "jemalloc": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
+}
 
 
 def _parse_size(text: str) -> int:
@@ -55,7 +62,7 @@ def worker(model_name: str, threshold: str, steps: int, quick: bool) -> dict:
     opt = model.configure_optimizers()
     opt = opt["optimizer"] if isinstance(opt, dict) else opt
     setting = None
-    if threshold != "default":
+    if threshold not in ("default", *PRELOADS):
         size = _parse_size(threshold)
         setting = follow_tensors_cpu(size, size)
         assert setting.action == "set", setting.message
@@ -97,14 +104,18 @@ def worker(model_name: str, threshold: str, steps: int, quick: bool) -> dict:
 
 def _run_worker(model: str, threshold: str, steps: int, quick: bool) -> dict:
     cmd = [sys.executable, __file__, "--worker", model, threshold, "--steps", str(steps)] + (["--quick"] if quick else [])
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if threshold in PRELOADS:
+        env["LD_PRELOAD"] = PRELOADS[threshold]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["encoder", "cnn"], choices=["encoder", "cnn"])
-    ap.add_argument("--thresholds", nargs="+", default=["64K", "256K", "1M", "4M"])
+    ap.add_argument("--settings", nargs="+", default=["64K", "1M", "4M", "tcmalloc", "jemalloc"],
+                    help="glibc thresholds (64K, 1M, ...) and preloaded allocators (tcmalloc, jemalloc)")
     ap.add_argument("--steps", type=int, default=None, help="steps per process (default 6, quick 3)")
     ap.add_argument("--rounds", type=int, default=None, help="processes per setting (default 2, quick 1)")
     ap.add_argument("--quick", action="store_true")
@@ -118,17 +129,19 @@ def main() -> int:
     from lightning_ckpt.profiling.allocator import MMAP_THRESHOLD_BYTES
 
     chosen = f"{MMAP_THRESHOLD_BYTES // 1024}K"
-    settings = ["default"] + list(dict.fromkeys(args.thresholds))
+    missing = [s for s in args.settings if s in PRELOADS and not Path(PRELOADS[s]).exists()]
+    settings = ["default"] + [s for s in dict.fromkeys(args.settings) if s not in missing]
     rounds = args.rounds or (1 if args.quick else 2)
     started = time.time()
     print(f"lightning-ckpt RSS benchmark: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start, "
-          f"OMP_NUM_THREADS=1, {steps} steps per process, {rounds} round(s); the callback's setting is {chosen}")
+          f"OMP_NUM_THREADS=1, {steps} steps per process, {rounds} round(s); tune_allocator=True sets {chosen}"
+          + (f"; not installed, skipped: {', '.join(missing)}" if missing else ""))
     print("RSS = peak of the step minus RSS at train start (after malloc is set); steps after the first\n")
     print("anonymous = the same without file-backed pages (library code that first calls page in)\n")
-    print("| model | budget | malloc mmap/trim threshold | predicted | RSS max | RSS / budget | anonymous max "
+    print("| model | budget | malloc | predicted | RSS max | RSS / budget | anonymous max "
           "| anon. / budget | median step CPU s | x default |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    ok, verdicts = True, []
+    verdicts = []
     for model in args.models:
         results: dict[str, list[dict]] = {s: [] for s in settings}
         for _ in range(rounds):
@@ -141,17 +154,13 @@ def main() -> int:
             anon = max(x for r in rs for x in r["anon"][1:])
             cpu = statistics.median(c for r in rs for c in r["cpu_s"][1:])
             budget = rs[0]["budget"]
-            print(f"| {model} | {budget / MIB:.0f} MiB | {s} | {rs[0]['predicted'] / MIB:.1f} MiB | {rss / MIB:.1f} MiB "
+            name = {"default": "glibc defaults", **{k: f"{k} (LD_PRELOAD)" for k in PRELOADS}}.get(s, f"glibc {s}")
+            print(f"| {model} | {budget / MIB:.0f} MiB | {name} | {rs[0]['predicted'] / MIB:.1f} MiB | {rss / MIB:.1f} MiB "
                   f"| {rss / budget:.2f} | {anon / MIB:.1f} MiB | {anon / budget:.2f} | {cpu:.3f} | {cpu / base_cpu:.3f} |")
-            if s == chosen:
-                fits, cost = rss <= ACCEPT_RATIO * budget, cpu / base_cpu - 1
-                ok &= fits
-                verdicts.append(f"  {model}, {chosen}: RSS {rss / budget:.2f} x budget (limit {ACCEPT_RATIO:.2f}): "
-                           f"{'yes' if fits else 'NO'}; step-time cost {100 * cost:+.1f} % (target <= "
-                           f"{100 * ACCEPT_COST:.0f} %); anonymous RSS {anon / budget:.2f} x budget")
+            verdicts.append(f"  {model}, {name}: RSS {rss / budget:.2f} x budget, step time {100 * (cpu / base_cpu - 1):+.1f} %")
     print("\n".join(["", *verdicts]))
     print(f"(RSS peak from {results['default'][0]['method']}; total wall time {time.time() - started:.0f} s)")
-    return 0 if ok else 1
+    return 0
 
 
 if __name__ == "__main__":

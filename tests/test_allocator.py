@@ -46,11 +46,37 @@ def test_turned_off_does_nothing():
     assert (setting.action, setting.message) == ("off", "")
 
 
+@pytest.mark.parametrize("enabled", [None, False])
+def test_cpu_malloc_is_left_alone_unless_asked(enabled):
+    """The default (None) and False leave CPU malloc as it is: its thresholds cost step time."""
+    assert allocator.follow_tensors("cpu", enabled) == allocator.AllocatorSetting("off", "cpu", "")
+    assert allocator.follow_tensors("cpu").action == "off"
+
+
+@pytest.mark.skipif(not GLIBC or allocator.loaded_allocator() is not None, reason="glibc malloc only")
+def test_cpu_malloc_is_set_when_asked(monkeypatch):
+    for name in (*allocator.GLIBC_ENV, "GLIBC_TUNABLES"):
+        monkeypatch.delenv(name, raising=False)
+    setting = allocator.follow_tensors("cpu", True)
+    try:
+        assert (setting.action, setting.kind) == ("set", "glibc")
+    finally:
+        setting.restore()
+
+
+@pytest.mark.parametrize(("enabled", "action"), [(None, "user"), (True, "user"), (False, "off")])
+def test_cuda_is_set_by_default_and_when_asked(monkeypatch, enabled, action):
+    """On CUDA the default sets expandable segments (here the user's configuration wins, so
+    nothing touches torch); only False skips it."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    assert allocator.follow_tensors("cuda", enabled).action == action
+
+
 @pytest.mark.skipif(not GLIBC or current_rss_bytes() is None, reason="glibc on Linux only")
 def test_glibc_set_returns_freed_tensors_to_the_os_and_is_put_back():
     setting = allocator.follow_tensors_cpu(environ={}, maps_text=NO_OTHER)
     try:
-        assert setting.action == "set" and "tune_allocator=False" in setting.message
+        assert setting.action == "set" and "tune_allocator=None" in setting.message
         assert setting.mmap_threshold_bytes == allocator.MMAP_THRESHOLD_BYTES
         before = current_rss_bytes()
         for _ in range(3):  # glibc's dynamic threshold would keep the second one in the heap

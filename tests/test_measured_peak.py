@@ -48,6 +48,13 @@ def test_measured_only_when_asked_and_steady(measure_peak, device, has_state, ex
     assert should_measure(_trainer(device, []), True) is True  # no optimizer: every step is steady
 
 
+@pytest.mark.parametrize("tune", [None, False])
+def test_fit_memory_leaves_cpu_malloc_alone_by_default(tune):
+    fit = fit_memory(_trainer()) if tune is None else fit_memory(_trainer(), tune)
+    assert fit.allocator.action == "off" and fit.allocator.message == ""
+    fit.restore()
+
+
 def test_cpu_reading_has_an_rss_figure_above_the_fit_start_baseline():
     """The RSS peak above the baseline is present and sane: it covers a touched 64 MiB tensor
     that lived inside the step, and is not far above what the tracker counted."""
@@ -98,8 +105,7 @@ def test_fit_reports_tracked_and_rss_peaks_next_to_the_prediction(tmp_path, capl
         assert isinstance(rss, int) and abs(rss) < 2**30
         assert f"process RSS above fit start {format_bytes(rss)}" in caplog.text
     assert "first planned step at shape (batch 8, tensors [8, 16], [8]): predicted" in caplog.text
-    if allocator.is_glibc() and not allocator.loaded_allocator():
-        assert "glibc malloc set for this fit" in caplog.text
+    assert "glibc malloc set for this fit" not in caplog.text  # by default CPU malloc is left alone
     assert cb._fit_memory is None  # put back at the end of fit
 
 

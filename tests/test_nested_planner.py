@@ -18,7 +18,7 @@ from oracles import all_nested_plans, brute_force_nested
 from lightning_ckpt.planning.costs import BlockCost, StepCost
 from lightning_ckpt.planning.memory_model import base_bytes, predict_peak
 from lightning_ckpt.planning.nested_model import depth_of
-from lightning_ckpt.planning.nested_planner import NESTED_MAX_BLOCKS, solve_nested
+from lightning_ckpt.planning.nested_planner import NESTED_MAX_BLOCKS, solve_nested, solve_nested_levels
 from lightning_ckpt.planning.policies import InfeasibleBudgetError, make_plan
 from lightning_ckpt.planning.recompute_cost import recompute_cost
 
@@ -137,6 +137,47 @@ def test_real_sizes_round_up_and_still_fit():
                 assert exact is None or solve_nested(small, budget - n - 2, "flops", 2) is None
                 continue
             assert got.slot_bytes > 1
+            assert predict_peak(big, got.segments, None, got.inner).peak_bytes <= budget * 10**6
+            assert exact is not None and got.cost >= exact.cost - 1e-9
+
+
+def test_one_set_of_tables_answers_every_budget():
+    """The tables built for the largest budget hold every smaller one: read back at its own
+    memory level, each plan costs what a solve at that budget alone finds (one-byte slots, so
+    both are exact), fits that budget, and is None exactly where that solve is."""
+    rng = random.Random(6)
+    answered = 0
+    for _ in range(40):
+        cost = deep_cost(rng, rng.randint(1, 6), accumulate=rng.random() < 0.3)
+        levels = rng.choice((1, 2, 3))
+        budgets = _budgets(rng, cost) + [base_bytes(cost) - 1]
+        together = solve_nested_levels(cost, budgets, "flops", levels)
+        for budget, got in zip(budgets, together):
+            alone = solve_nested(cost, budget, "flops", levels)
+            assert (got is None) == (alone is None), (budget, got, alone)
+            if got is None:
+                continue
+            answered += 1
+            assert got.slot_bytes == 1 and got.cost == pytest.approx(alone.cost, abs=1e-9)
+            assert predict_peak(cost, got.segments, None, got.inner).peak_bytes <= budget
+            assert recompute_cost(cost, got.segments, "flops", None, got.inner) == pytest.approx(got.cost, abs=1e-9)
+    assert answered >= 60
+    assert solve_nested_levels(deep_cost(rng, 3), [], "flops", 2) == []
+
+
+def test_real_sizes_read_back_at_smaller_budgets_still_fit():
+    """With slots of many bytes a smaller budget is read back in the larger one's slot size:
+    its plan fits it and costs no less than the exact optimum."""
+    rng = random.Random(7)
+    for _ in range(20):
+        seed = rng.random()
+        small = deep_cost(random.Random(seed), rng.randint(3, 6))
+        big = deep_cost(random.Random(seed), small.n_blocks, scale=10**6)
+        budgets = _budgets(rng, small)
+        for budget, got in zip(budgets, solve_nested_levels(big, [b * 10**6 for b in budgets], "flops", 2)):
+            if got is None:
+                continue
+            exact = solve_nested(small, budget, "flops", 2)
             assert predict_peak(big, got.segments, None, got.inner).peak_bytes <= budget * 10**6
             assert exact is not None and got.cost >= exact.cost - 1e-9
 

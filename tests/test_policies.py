@@ -297,3 +297,26 @@ def test_plan_table_shows_the_metric_and_estimated_time_and_roundtrips():
     assert legacy.recompute_est_ms is None and "est. ms" not in str(legacy)
     # without measured rates there is nothing to estimate with
     assert make_plan(base, "every_k", every_k=3).recompute_est_ms is None
+
+
+def test_nested_search_is_coarser_when_a_single_level_plan_fits(monkeypatch):
+    """The multi-level search counts memory in 1024 slots up to 48 blocks (fewer past them), and in
+    a quarter as many when a single-level plan already fits, where nesting can only recompute less."""
+    from lightning_ckpt.planning import policies
+
+    assert [policies.nested_slots(n, False) for n in (8, 48, 96)] == [1024, 1024, 512]
+    assert [policies.nested_slots(n, True) for n in (8, 48, 96)] == [256, 256, 128]
+    seen = []
+    real = policies.solve_nested
+
+    def spy(cost, budget, metric, levels, slots):
+        seen.append(slots)
+        return real(cost, budget, metric, levels, slots=slots)
+
+    monkeypatch.setattr(policies, "solve_nested", spy)
+    cost = uniform(8)
+    full = make_plan(cost, "full").predicted_peak_bytes
+    make_plan(cost, "optimal", full + MiB)  # single-level plans fit
+    with pytest.raises(InfeasibleBudgetError):
+        make_plan(cost, "optimal", cost.static_bytes + MiB)  # nothing fits, nested or not
+    assert seen == [256, 1024]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import matplotlib.image as mpimg
+import numpy as np
 import pytest
 from test_capacity import cost_at
 
@@ -144,3 +146,76 @@ def test_figure_draws_the_multi_level_curve_below_the_full_peak(n_blocks):
     lines = [ln for ln in fig.axes[0].lines if ln.get_label().startswith("multi-level plans")]
     assert len(lines) == 1
     assert min(lines[0].get_xdata()) < full / 2**20
+
+
+def _with_ops(cost: StepCost) -> StepCost:
+    from lightning_ckpt.planning.costs import OpCost
+
+    ops = tuple(OpCost(op="aten.mm.default", call_index=k, keep_bytes=64, saved=True, keepable=True) for k in range(3))
+    return dataclasses.replace(cost, blocks=tuple(dataclasses.replace(b, ops=ops) for b in cost.blocks))
+
+
+def test_json_leaves_the_per_op_records_out_unless_asked(tmp_path):
+    """By default the JSON has every block's costs but not its per-op records (most of the bytes on
+    a real model); `full=True` keeps them. Both forms read back with `from_dict`."""
+    from lightning_ckpt.planning.linear_fit import Profile
+
+    cost = _with_ops(cost_at(8))
+    profile = Profile(probes=(_with_ops(cost_at(1)), _with_ops(cost_at(2))), check=_with_ops(cost_at(4)))
+    plan = make_plan(cost, "full")
+    small = json.loads(write_json(tmp_path / "small.json", plan, profile, cost).read_text())
+    full = json.loads(write_json(tmp_path / "full.json", plan, profile, cost, full=True).read_text())
+    assert small["full"] is False and full["full"] is True
+    blocks = small["cost"]["blocks"] + [b for p in (*small["profile"]["probes"], small["profile"]["check"]) for b in p["blocks"]]
+    assert blocks and all("ops" not in b for b in blocks)
+    assert StepCost.from_dict(small["cost"]) == dataclasses.replace(
+        cost, blocks=tuple(dataclasses.replace(b, ops=()) for b in cost.blocks)
+    )
+    assert StepCost.from_dict(full["cost"]) == cost
+    assert Profile.from_dict(full["profile"]) == profile
+    assert Profile.from_dict(small["profile"]).check.blocks[0].ops == ()
+    assert (tmp_path / "small.json").stat().st_size < (tmp_path / "full.json").stat().st_size
+
+
+def _labels(fig):
+    """(text, its anchor in pixels, the text's box, leader line or not) of each marker label."""
+    from matplotlib.text import Annotation, Text
+
+    ax = fig.axes[0]
+    renderer = fig.canvas.get_renderer()
+    out = []
+    for note in ax.texts:
+        assert isinstance(note, Annotation)
+        note.update_positions(renderer)
+        out.append((note.get_text(), ax.transData.transform(note.xy), Text.get_window_extent(note, renderer),
+                    note.arrow_patch is not None))
+    return out
+
+
+def _gap(box, point) -> float:
+    x, y = point
+    return float(np.hypot(max(box.x0 - x, 0.0, x - box.x1), max(box.y0 - y, 0.0, y - box.y1)))
+
+
+@pytest.mark.parametrize("n_blocks", [4, 8, 48])
+def test_every_baseline_is_labelled_at_its_marker(n_blocks):
+    """Each baseline's label is anchored at its marker and lies beside it (within a few points), or,
+    when the markers crowd, on a leader line; no two labels overlap; markers at one point share a label."""
+    from lightning_ckpt.report import baseline_points
+
+    cost = StepCost(blocks=cost_at(8).blocks[:1] * n_blocks, batch_size=8, static_bytes=1000)
+    budget = (make_plan(cost, "none").predicted_peak_bytes + make_plan(cost, "full").predicted_peak_bytes) // 2
+    plan = make_plan(cost, "optimal", budget)
+    fig = tradeoff_figure(cost, plan)
+    ax = fig.axes[0]
+    labels = _labels(fig)
+    named = sorted(name for text, *_ in labels for name in text.split(", "))
+    assert named == sorted(p.label for p in baseline_points(cost))
+    mib = 2**20
+    marker = {p.label: ax.transData.transform((p.peak_bytes / mib, p.recompute_cost)) for p in baseline_points(cost)}
+    for text, anchor, box, leader in labels:
+        first = text.split(", ")[0]
+        assert tuple(anchor) == pytest.approx(tuple(marker[first]))
+        assert _gap(box, anchor) <= (130 if leader else 15), (text, _gap(box, anchor))
+    boxes = [box for *_, box, _ in labels]
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])

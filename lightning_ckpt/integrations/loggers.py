@@ -25,15 +25,16 @@ def log_metrics(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
 
 
 def write_plan_report(
-    trainer: pl.Trainer, plan: Plan, profile: Profile | None, cost: StepCost | None, metric: str
+    trainer: pl.Trainer, plan: Plan, profile: Profile | None, cost: StepCost | None, metric: str, full: bool = False
 ) -> list[Path]:
-    """Write the report on rank 0 (call it on every rank); -> the paths written (none elsewhere)."""
+    """Write the report on rank 0 (call it on every rank); -> the paths written (none elsewhere).
+    `full`: the JSON keeps every block's per-op records (`report.write_json`)."""
     log_dir = trainer.log_dir  # a collective: every rank calls it
     if not trainer.is_global_zero:
         return []
     where = "the logger's directory"
     if not trainer.loggers or log_dir is None:
         log_dir, where = trainer.default_root_dir, "the Trainer's default_root_dir: there is no logger"
-    paths = write_report(Path(log_dir), plan, profile, cost, metric=metric)
+    paths = write_report(Path(log_dir), plan, profile, cost, metric=metric, full=full)
     rank_zero_info(f"lightning-ckpt: plan report written to {', '.join(map(str, paths))} (in {where})")
     return paths

@@ -41,8 +41,10 @@ class FitMemory:
         self.allocator.restore()
 
 
-def fit_memory(trainer: pl.Trainer, tune_allocator: bool) -> FitMemory:
-    """Set the allocator of the training device (one info line says what), then read the RSS baseline."""
+def fit_memory(trainer: pl.Trainer, tune_allocator: bool | None = None) -> FitMemory:
+    """Set the allocator of the training device as `tune_allocator` asks (`allocator.follow_tensors`:
+    None sets CUDA's and leaves CPU malloc alone; one info line says what was set), then read the
+    RSS baseline."""
     device = trainer.strategy.root_device
     setting = follow_tensors(device.type, tune_allocator)
     if setting.message:

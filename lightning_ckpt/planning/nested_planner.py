@@ -20,11 +20,12 @@ own table), O(n^3) vector operations per depth. The scratch of a recompute's for
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from lightning_ckpt.planning.costs import StepCost
+from lightning_ckpt.planning.costs import StepCost, segment_inflight_bytes
 from lightning_ckpt.planning.memory_model import (
     base_bytes,
     element_arrays,
@@ -42,7 +43,9 @@ from lightning_ckpt.planning.recompute_cost import (
 )
 
 INF = np.inf
-NESTED_MAX_BLOCKS = 96  # O(n^3) vector operations per level: about half a second at 48 blocks and 2 levels
+# O(n^3) vector operations per level; at 48 blocks and 2 levels 0.4-0.55 s with 1024 slots, 0.2 s with 256
+# (one CPU thread of this project's machine)
+NESTED_MAX_BLOCKS = 96
 
 
 @dataclass(frozen=True)
@@ -72,14 +75,14 @@ class _Tables:
         def up(v):
             return -(-np.asarray(v, dtype=np.int64) // q)
 
-        self.Tk = up(a.saved + G + out + a.bt)
+        self.Tk = up(a.saved + G + out + a.bt + a.cb)
         self.Rk = up(a.saved)
         self.Rx = up(a.x)
         self.SH = up(a.sh[:n])
         self.O = np.asarray(a.o[:n], dtype=np.int64) // q
         self.X0 = up(a.x - a.xs)
         self.keep_need = up(a.keep_need - self.base)
-        self.held = G + out  # gradients held while a parent ending at b rebuilds
+        self.held = G + out + a.cb  # gradients (and carried bytes) held while a parent ending at b rebuilds
         self.ft = a.ft
         self.up = up
         self.next_break = np.full(n, n, dtype=np.int64)  # first block k > p that does not chain from k - 1
@@ -94,14 +97,15 @@ class _Tables:
         self.P = np.concatenate(([0.0], np.cumsum(self.rc)))
         # plain segments: forward above the base (last step's gradients included), backward
         self.fwd = np.full((n, n), -1, dtype=np.int64)
+        self.rfwd = np.zeros((n, n), dtype=np.int64)  # a segment's in-flight forward inside a recompute
         self.bwd = np.full((n, n), -1, dtype=np.int64)
         for p in range(n):
             for el in segment_elements(cost, p, terms):
                 self.fwd[p, el.last] = el.forward_bytes - self.base
                 self.bwd[p, el.last] = el.backward_bytes - self.base
+                self.rfwd[p, el.last] = segment_inflight_bytes(blocks, p, el.last)
         self.fwd_grads = terms.forward_grad_bytes
         self.end = [up(end_need(cost) - self.base - end_relief(cost, kept)) for kept in (True, False)]
-        self.opt_fits = optimizer_need(cost) <= budget_bytes
         self.phis = sorted({0, *(int(v) for v in a.ft)})
         self.S: dict[int, np.ndarray] = {}  # depth -> (n, n, M + 1) costs (1: plain segments)
         self.choice: dict[int, np.ndarray] = {}  # depth -> (n, n, M + 1): -2 plain, -1 first block saves, e child
@@ -160,7 +164,7 @@ class _Tables:
             es = np.arange(p, e1 + 1)
             kids = self.child_rows(d - 1, p, p, e1)
             add = np.where(es < b, self.P[es + 1] - self.P[p], 0.0)[:, None]
-            cf = np.where(es < b, self.up(self.fwd[p, es] - self.fwd_grads + self.held[b]), 0)
+            cf = np.where(es < b, self.up(self.rfwd[p, es] + self.held[b]), 0)
             labels = np.concatenate(([-1], es))
             same = self.SH[p] == 0 and self.O[p] == 0
             for k in (0, 1):
@@ -192,7 +196,7 @@ class _Tables:
         es = np.arange(a, e1 + 1)
         cand = self.child_rows(d - 1, a, a, e1) + self.shift(D[1, a + 1 : e1 + 2], self.Rx[a])
         cand += (self.P[es + 1] - self.P[a])[:, None]
-        self.below(cand, self.up(self.fwd[a, es] - self.fwd_grads + self.held[b]))
+        self.below(cand, self.up(self.rfwd[a, es] + self.held[b]))
         val, lab = self.pick(np.vstack((keep[None, :], cand)), np.concatenate(([-1], es)))
         return val + self.ovh, lab
 
@@ -268,6 +272,22 @@ class _Tables:
                 self.expand(d - 1, p, e, min(m - s, self.M), inner)
                 m, p, k = m - s - int(self.Rx[p]), e + 1, 1
 
+    def read_plan(self, picks: np.ndarray, m: int, depth: int) -> tuple[tuple, tuple]:
+        """The top-level and inner segments of the plan chosen at memory level `m`."""
+        segments, inner = [], []
+        p, k = 0, 0
+        while p < self.n:
+            e = int(picks[k, p, m])
+            if e == -1:
+                m -= (int(self.SH[p]) if k else 0) + int(self.Rk[p])
+                p, k = p + 1, 0
+            else:
+                s = -int(self.O[p]) if k == 0 else 0
+                segments.append((p, e))
+                self.expand(depth, p, e, min(m - s, self.M), inner)
+                m, p, k = min(m - s - int(self.Rx[p]), self.M), e + 1, 1
+        return tuple(segments), tuple(sorted(inner))
+
 
 def solve_nested(
     cost: StepCost, budget_bytes: int, metric: str = "flops", max_depth: int = 3, slots: int = 1024
@@ -275,25 +295,35 @@ def solve_nested(
     """The least-recompute plan with inner segments up to `max_depth` levels deep (1: plain
     segments only) whose predicted peak fits `budget_bytes`, or None when none fits at
     this slot size."""
+    return solve_nested_levels(cost, [budget_bytes], metric, max_depth, slots)[0]
+
+
+def solve_nested_levels(
+    cost: StepCost, budgets: Sequence[int], metric: str = "flops", max_depth: int = 3, slots: int = 1024
+) -> list[NestedSolution | None]:
+    """`solve_nested` at every budget of `budgets` from one set of tables.
+
+    The tables are built once for the largest budget: every table holds the least cost at
+    every memory level from 0 to `slots` slots, so the plan for a smaller budget is read back
+    at its own level, (budget - base) // q slots, with the slot size q of the largest one
+    (a smaller budget is counted in fewer, equally fine slots). None where nothing fits."""
     if max_depth < 1:
         raise ValueError(f"max_depth={max_depth} must be >= 1 (1 plans without inner segments).")
-    t = _Tables(cost, budget_bytes, metric, slots)
-    if t.M < 0 or not t.opt_fits or t.n == 0:
-        return None
+    out: list[NestedSolution | None] = [None] * len(budgets)
+    if not budgets:
+        return out
+    t = _Tables(cost, max(budgets), metric, slots)
+    if t.M < 0 or t.n == 0:
+        return out
     t.build(max_depth)
     T, picks = t.top(max_depth)
-    if not np.isfinite(T[0, 0, t.M]):
-        return None
-    segments, inner = [], []
-    p, k, m = 0, 0, t.M
-    while p < t.n:
-        e = int(picks[k, p, m])
-        if e == -1:
-            m -= (int(t.SH[p]) if k else 0) + int(t.Rk[p])
-            p, k = p + 1, 0
-        else:
-            s = -int(t.O[p]) if k == 0 else 0
-            segments.append((p, e))
-            t.expand(max_depth, p, e, min(m - s, t.M), inner)
-            m, p, k = min(m - s - int(t.Rx[p]), t.M), e + 1, 1
-    return NestedSolution(tuple(segments), tuple(sorted(inner)), float(T[0, 0, t.M]), t.q)
+    need = optimizer_need(cost)
+    for i, budget in enumerate(budgets):
+        room = int(budget) - t.base
+        if room < 0 or need > budget:
+            continue
+        m0 = min(room // t.q, t.M)
+        if np.isfinite(T[0, 0, m0]):
+            segments, inner = t.read_plan(picks, m0, max_depth)
+            out[i] = NestedSolution(segments, inner, float(T[0, 0, m0]), t.q)
+    return out

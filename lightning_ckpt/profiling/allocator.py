@@ -1,8 +1,9 @@
 """Make the memory the OS or the GPU sees follow the live tensors, for the duration of a fit.
 
-CPU, Linux with glibc: `mallopt` (through ctypes) sets malloc's mmap and trim thresholds, so
-large freed tensors go back to the OS instead of fragmenting the heap. CUDA: the caching
-allocator's `expandable_segments`. Both only when the user has not configured the allocator.
+CUDA (by default): the caching allocator's `expandable_segments`. CPU, Linux with glibc, only
+when asked (`tune_allocator=True`: every fresh page then costs step time): `mallopt` (through
+ctypes) sets malloc's mmap and trim thresholds, so large freed tensors go back to the OS instead
+of fragmenting the heap. Either only when the user has not configured the allocator.
 """
 
 from __future__ import annotations
@@ -132,8 +133,10 @@ def follow_tensors_cpu(
         "set", "glibc",
         f"lightning-ckpt: glibc malloc set for this fit (mmap and trim thresholds {mmap_threshold_bytes // 1024} "
         "KiB), so process memory follows the tensors; glibc's default thresholds are set back at the end. "
-        "Fresh pages cost step time (1.8-2.4x on this project's CPU examples, benchmarks/rss.py): "
-        "tune_allocator=False keeps the speed and leaves malloc alone, at the price of RSS above the budget.",
+        "Fresh pages cost step time (x1.7 and x2.7 on this project's two CPU examples, benchmarks/rss.py): the default, "
+        "tune_allocator=None, leaves malloc alone and keeps the speed at the price of RSS above the budget; "
+        "preloading tcmalloc or jemalloc (LD_PRELOAD) keeps RSS nearer the tensors without most of that cost "
+        "(docs/memory.md).",
         mmap_threshold_bytes, trim_threshold_bytes,
     )
 
@@ -169,12 +172,14 @@ def follow_tensors_cuda(environ: dict[str, str] | None = None) -> AllocatorSetti
     )
 
 
-def follow_tensors(device_type: str, enabled: bool = True) -> AllocatorSetting:
-    """The setting for the training device: glibc on CPU, expandable segments on CUDA."""
-    if not enabled:
+def follow_tensors(device_type: str, enabled: bool | None = None) -> AllocatorSetting:
+    """The setting for the training device, as `tune_allocator` asks: None (the default) CUDA's
+    expandable segments and nothing on CPU, where glibc's thresholds cost step time (docs/memory.md);
+    True those thresholds on CPU too; False nothing anywhere."""
+    if enabled is False:
         return AllocatorSetting("off", device_type, "")
     if device_type == "cuda":
         return follow_tensors_cuda()
-    if device_type == "cpu":
+    if device_type == "cpu" and enabled:
         return follow_tensors_cpu()
     return AllocatorSetting("off", device_type, "")

@@ -1,0 +1,269 @@
+"""What the callback adds to the first training batch: fit start -> first step, split by phase.
+
+    OMP_NUM_THREADS=1 python benchmarks/startup.py                     # both examples, about 1.5 min here
+    OMP_NUM_THREADS=1 python benchmarks/startup.py --models encoder --rounds 2 --baseline
+
+Each run is a fresh process that builds the example from its config (configs/encoder48.yaml,
+configs/cnn.yaml) through the example's LightningCLI, with validation off, a CSV logger under a
+temporary directory and `--steps` training steps. The callback's arguments are the config's, with
+`tune_allocator` set by `--tune-allocator` (``false`` by default: the step is timed as the user's
+default training would run it) and `report` by `--report`. Phases are timed by wrapping the
+library's functions from here (nothing in the library is timed for this):
+
+  probes       `profiler.probe_step` (forward and backward under the tracker and counters), less:
+  block timing `time_blocks` (a forward without grad, each block timed)
+  no-save fwd  `nosave_forward_peaks` (a forward without grad under the tracker)
+  rates        `rates.measure_rates` (the machine's rate microbenchmarks)
+  calibration  `keep_calibration.calibrated_profile` (op-level plans in `time` only)
+  planning     `policies.make_plan` and `target_plan.plan_for_*` outside the report
+  applying     `apply_plan` (the hooks or the compiled regions)
+  report       `report.write_report` (JSON and trade-off PNG, all planning inside it included)
+  other        the rest of the first batch above one steady step: what a first step costs more
+               than a steady one anyway (optimizer state created, fresh pages; `--baseline` runs
+               each model without the callback to show it), Lightning's hooks, the static memory,
+               the profile's fit, logging
+
+"first batch" is the wall time from the first training batch's start hook (before the callback's)
+to its end hook (after the callback's); "steady" the median of the batches after the second;
+"overhead" = first batch - steady, in steps ("in CPU time": the same ratio in process CPU time,
+steadier on a loaded machine). "fit -> first batch" is the time from `trainer.fit`
+to that first batch's start (setup, the allocator setting, the blocks found, the loader built).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
+
+CONFIGS = {"encoder": ROOT / "configs" / "encoder48.yaml", "cnn": ROOT / "configs" / "cnn.yaml"}
+DEFAULT_STEPS = {"encoder": 5, "cnn": 12}
+PHASES = ("probes", "block timing", "no-save fwd", "rates", "calibration", "planning", "applying", "report")
+# (module, attribute, phase); a phase marked sticky takes everything that runs inside it
+PATCHES = (
+    ("lightning_ckpt.profiling.profiler", "probe_step", "probes"),
+    ("lightning_ckpt.profiling.profiler", "_time_blocks", "block timing"),
+    ("lightning_ckpt.profiling.profiler", "_nosave_forward_peaks", "no-save fwd"),
+    ("lightning_ckpt.profiling.forward_passes", "time_blocks", "block timing"),
+    ("lightning_ckpt.profiling.forward_passes", "nosave_forward_peaks", "no-save fwd"),
+    ("lightning_ckpt.profiling.rates", "measure_rates", "rates"),
+    ("lightning_ckpt.keep_calibration", "calibrated_profile", "calibration"),
+    ("lightning_ckpt.profiling.keep_calibration", "calibrated_profile", "calibration"),
+    ("lightning_ckpt.planning.policies", "make_plan", "planning"),
+    ("lightning_ckpt.engine.target_plan", "plan_for_target", "planning"),
+    ("lightning_ckpt.engine.target_plan", "plan_for_max", "planning"),
+    ("lightning_ckpt.integrations.compiled", "apply_plan", "applying"),
+    ("lightning_ckpt.apply", "apply_plan", "applying"),
+    ("lightning_ckpt.report", "write_report", "report"),
+)
+STICKY = {"report"}
+
+
+class PhaseClock:
+    """Exclusive wall time per phase: a phase's time leaves out the phases that run inside it,
+    except inside a sticky phase, which keeps all of its time."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._stack: list[list[Any]] = []
+
+    def wrap(self, fn, phase: str):
+        clock = self
+
+        def timed(*args, **kwargs):
+            if any(name in STICKY for name, _ in clock._stack):
+                return fn(*args, **kwargs)
+            clock._push(phase)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                clock._pop()
+
+        timed.__wrapped__ = fn
+        return timed
+
+    def _push(self, phase: str) -> None:
+        now = time.perf_counter()
+        if self._stack:
+            top = self._stack[-1]
+            self.totals[top[0]] = self.totals.get(top[0], 0.0) + now - top[1]
+        self._stack.append([phase, now])
+        self.calls[phase] = self.calls.get(phase, 0) + 1
+
+    def _pop(self) -> None:
+        now = time.perf_counter()
+        phase, start = self._stack.pop()
+        self.totals[phase] = self.totals.get(phase, 0.0) + now - start
+        if self._stack:
+            self._stack[-1][1] = now
+
+
+def install(clock: PhaseClock) -> None:
+    """Wrap each function of `PATCHES` wherever a loaded lightning_ckpt module holds it."""
+    import importlib
+
+    for module, attr, phase in PATCHES:
+        try:
+            original = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError):
+            continue  # the library moved it: that phase reads 0 and lands in "other"
+        if hasattr(original, "__wrapped__"):
+            continue  # timed already, under another name
+        timed = clock.wrap(original, phase)
+        for name, mod in list(sys.modules.items()):
+            if name.startswith("lightning_ckpt") and mod is not None:
+                for key, value in list(vars(mod).items()):
+                    if value is original:
+                        setattr(mod, key, timed)
+
+
+def worker(model: str, steps: int, tune_allocator: str, report: bool, callback: bool = True) -> dict:
+    import lightning.pytorch as pl
+    import torch
+    import yaml
+
+    torch.set_num_threads(1)
+    example = __import__("train_encoder" if model == "encoder" else "train_cnn")
+    log_dir = tempfile.mkdtemp(prefix=f"lckpt-startup-{model}-")
+    args = [
+        "--config", str(CONFIGS[model]), f"--trainer.max_steps={steps}", "--trainer.limit_val_batches=0",
+        "--trainer.enable_progress_bar=false", f"--trainer.logger.init_args.save_dir={log_dir}",
+    ]
+    cli = example.main(args, run=False)
+    trainer = cli.trainer
+
+    import lightning_ckpt
+    from lightning_ckpt.integrations.callback import ActivationCheckpointing
+
+    config = yaml.safe_load(CONFIGS[model].read_text())
+    init = next(
+        c["init_args"] for c in config["trainer"]["callbacks"] if c["class_path"].endswith("ActivationCheckpointing")
+    )
+    init = dict(init, report=report, verbose=False)
+    if tune_allocator != "default":
+        init["tune_allocator"] = tune_allocator == "true"
+    ckpt = lightning_ckpt.ActivationCheckpointing(**init)
+    times: dict[str, Any] = {"batch_start": [], "batch_end": [], "cpu_start": [], "cpu_end": []}
+
+    class Start(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            times["batch_start"].append(time.perf_counter())
+            times["cpu_start"].append(time.process_time())
+
+    class End(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            times["cpu_end"].append(time.process_time())
+            times["batch_end"].append(time.perf_counter())
+
+    others = [c for c in trainer.callbacks if not isinstance(c, ActivationCheckpointing)]
+    trainer.callbacks = [Start(), *([ckpt] if callback else []), *others, End()]
+    clock = PhaseClock()
+    install(clock)
+    t_fit = time.perf_counter()
+    trainer.fit(cli.model, datamodule=cli.datamodule)
+    steps_s = [e - s for s, e in zip(times["batch_start"], times["batch_end"])]
+    cpu_s = [e - s for s, e in zip(times["cpu_start"], times["cpu_end"])]
+    json_path = next(Path(log_dir).rglob("lightning_ckpt_plan.json"), None)
+    plan = ckpt.plan if callback else None
+    return {
+        "model": model if callback else f"{model}, no callback",
+        "fit_to_first_s": times["batch_start"][0] - t_fit,
+        "first_s": steps_s[0],
+        "steady_s": statistics.median(steps_s[2:]),
+        "steps_s": steps_s,
+        "first_cpu_s": cpu_s[0],
+        "steady_cpu_s": statistics.median(cpu_s[2:]),
+        "phases": clock.totals,
+        "calls": clock.calls,
+        "json_bytes": None if json_path is None else json_path.stat().st_size,
+        "checkpointed": None if plan is None else len(plan.checkpointed),
+        "segments": None if plan is None else len(plan.segments),
+        "inner": None if plan is None else len(plan.inner_segments),
+    }
+
+
+def _run(model: str, steps: int, tune_allocator: str, report: bool, callback: bool = True) -> dict:
+    cmd = [sys.executable, __file__, "--worker", json.dumps([model, steps, tune_allocator, report, callback])]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env, cwd=ROOT)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-4000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _row(r: dict) -> str:
+    steady = r["steady_s"]
+    ph = r["phases"]
+    timed = sum(ph.get(p, 0.0) for p in PHASES)
+    other = r["first_s"] - steady - timed
+    cells = [f"{ph.get(p, 0.0):.2f}" for p in PHASES]
+    overhead = r["first_s"] - steady
+    size = "-" if r["json_bytes"] is None else f"{r['json_bytes'] / 1e6:.2f} MB"
+    cpu = (r["first_cpu_s"] - r["steady_cpu_s"]) / r["steady_cpu_s"]
+    return (
+        f"| {r['model']} | {r['fit_to_first_s']:.2f} | {' | '.join(cells)} | {other:.2f} | {r['first_s']:.2f} | "
+        f"{steady:.2f} | {overhead:.2f} | {overhead / steady:.2f} | {cpu:.2f} | {size} |"
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["encoder", "cnn"], choices=sorted(CONFIGS))
+    ap.add_argument("--rounds", type=int, default=1, help="fresh processes per model, interleaved")
+    ap.add_argument("--steps", type=int, default=None, help="training steps per run (default: encoder 5, cnn 12)")
+    ap.add_argument("--tune-allocator", choices=["default", "true", "false"], default="false")
+    ap.add_argument("--report", choices=["true", "false"], default="true")
+    ap.add_argument("--baseline", action="store_true", help="also run each model without the callback: its first batch")
+    ap.add_argument("--json", help="also write every run's figures to this file")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(*json.loads(args.worker))))
+        return 0
+    import torch
+
+    runs: list[dict] = []
+    started = time.time()
+    for _ in range(args.rounds):
+        for model in args.models:
+            steps = args.steps or DEFAULT_STEPS[model]
+            runs.append(_run(model, steps, args.tune_allocator, args.report == "true"))
+            if args.baseline:
+                runs.append(_run(model, steps, args.tune_allocator, args.report == "true", callback=False))
+    print(
+        f"lightning-ckpt startup benchmark: torch {torch.__version__}, OMP_NUM_THREADS=1, {os.cpu_count()} cores, "
+        f"load average {os.getloadavg()[0]:.1f} at the end; tune_allocator={args.tune_allocator}, report={args.report}; "
+        f"seconds of wall time\n"
+    )
+    print(
+        "| model | fit -> first batch | " + " | ".join(PHASES)
+        + " | other | first batch | steady step | overhead | overhead / step | in CPU time | report JSON |"
+    )
+    print("|---" * (len(PHASES) + 9) + "|")
+    for r in runs:
+        print(_row(r))
+    for r in runs:
+        if r["checkpointed"] is None:
+            continue
+        calls = ", ".join(f"{k} {v}" for k, v in sorted(r["calls"].items()))
+        print(f"\n{r['model']}: plan {r['checkpointed']} checkpointed in {r['segments']} segments "
+              f"({r['inner']} inner); calls: {calls}")
+    print(f"\n(total wall time {time.time() - started:.0f} s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(runs, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
