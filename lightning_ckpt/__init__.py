@@ -22,7 +22,8 @@ from lightning_ckpt.planning.machine_rates import MachineRates
 from lightning_ckpt.planning.memory_model import predict_peak
 from lightning_ckpt.planning.op_options import GRANULARITIES, OpOption, block_options
 from lightning_ckpt.planning.plan import Plan
-from lightning_ckpt.planning.policies import POLICIES, InfeasibleBudgetError, make_plan
+from lightning_ckpt.engine.target_plan import cost_at as step_cost
+from lightning_ckpt.planning.policies import POLICIES, InfeasibleBudgetError, PartialStepWarning, make_plan
 from lightning_ckpt.planning.recompute_cost import recompute_cost
 from lightning_ckpt.profiling.blocks import resolve_blocks
 from lightning_ckpt.profiling.discovery import ChainChoice, discover_chain
@@ -54,6 +55,7 @@ __all__ = [
     "OpCost",
     "OpOption",
     "POLICIES",
+    "PartialStepWarning",
     "Prepared",
     "Plan",
     "Profile",
@@ -77,6 +79,7 @@ __all__ = [
     "recompute_cost",
     "resolve_blocks",
     "static_memory",
+    "step_cost",
     "zero_memory",
 ]
 

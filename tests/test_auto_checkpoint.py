@@ -237,3 +237,25 @@ def test_blocks_none_follows_the_bytes_across_containers():
         assert [n for n in names if n.startswith("up_blocks")]
         assert names.index("mid_block") > max(i for i, n in enumerate(names) if n.startswith("down_blocks"))
     assert any("blocks=None: chose" in m and "left out" in m for m in said)
+
+
+def test_the_low_level_path_without_static_memory_is_said():
+    """Composing the core by hand: a cost without the static memory is planned, with a warning naming
+    the way to build the whole step's cost; `step_cost` builds it and plans as auto_checkpoint does."""
+    import warnings
+
+    from lightning_ckpt import PartialStepWarning, step_cost
+
+    model, batch = _model(), _batches(1)[0]
+    _, names, blocks = resolve_blocks(model, "blocks")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    profile = profile_model(model, blocks, _loss(model), batch, names=names, timing=False)
+    with pytest.warns(PartialStepWarning, match=r"static_bytes=0 but trainable parameters.*lightning_ckpt\.step_cost"):
+        make_plan(profile.at(BATCH), "optimal", 10**9)
+    whole = step_cost(profile, BATCH, static_memory(model, [opt]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PartialStepWarning)
+        plan = make_plan(whole, "optimal", _budget(_model(), batch), metric="flops")
+    with auto_checkpoint(model, _budget(_model(), batch), example_batch=batch, step_fn=_loss(model), optimizer=opt,
+                         blocks="blocks", cost_metric="flops", verbose=False) as handle:
+        assert handle.plan.segments == plan.segments and handle.plan.predicted_peak_bytes == plan.predicted_peak_bytes

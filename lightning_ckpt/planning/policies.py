@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Sequence
 
 from lightning_ckpt.planning.chain_planner import ChainSolution, solve_chain
@@ -232,6 +233,23 @@ def optimal_nested(
     return ChainSolution(ours, peak, list(nested.segments)), nested.inner
 
 
+class PartialStepWarning(UserWarning):
+    """A plan was made against a budget for a step cost without its static memory."""
+
+
+def warn_without_static(cost: StepCost) -> None:
+    """Warn when `cost` has trainable blocks but no static memory: the budget is then compared with the
+    activations and gradients only, and parameters and optimizer state are missing from the peak."""
+    if cost.static_bytes == 0 and (cost.outside_grad_bytes or any(b.grad_bytes for b in cost.blocks)):
+        warnings.warn(
+            "make_plan got a StepCost with static_bytes=0 but trainable parameters: parameters, buffers and "
+            "optimizer state are not in its predicted peak, so the plan may not fit the budget. Build the cost "
+            "with lightning_ckpt.step_cost(profile, batch_size, static_memory(model, [optimizer])) (or pass "
+            "static_bytes= to Profile.at); auto_checkpoint and the callback do this for you.",
+            PartialStepWarning, stacklevel=3,
+        )
+
+
 def make_plan(
     cost: StepCost,
     policy: str = "optimal",
@@ -256,6 +274,11 @@ def make_plan(
     fits. `greedy` and `optimal` need a budget and raise `InfeasibleBudgetError`
     when nothing fits. `segments` builds a plan by hand (policy "manual").
 
+    `metric` is `flops` by default here (machine-independent, no measured rates needed); the callback
+    and `auto_checkpoint` plan in `time`: pass ``metric="time"`` to get their plan for the same cost.
+    The cost should be the whole step's (`step_cost(profile, batch, static_memory(model, [opt]))`):
+    a budgeted plan for a cost without static memory warns (`PartialStepWarning`).
+
     time_limit_s bounds the `optimal` planner's search: it is exact when it finishes in
     time (chains of a thousand blocks usually do, in under a second); otherwise the plan
     is the best found and `plan.gap` says how far above the optimum it can be (proven).
@@ -274,6 +297,8 @@ def make_plan(
     if policy not in POLICIES and not (policy == "manual" and segments is not None):
         raise ValueError(f"policy={policy!r} is not a known policy; choose one of {', '.join(POLICIES)}.")
     metric_rates(cost, metric)  # an unknown metric, or `time` without measured rates, fails here
+    if budget_bytes is not None:
+        warn_without_static(cost)
     n = cost.n_blocks
     needs_budget = policy in ("greedy", "optimal") or (policy == "every_k" and every_k is None)
     if granularity not in GRANULARITIES:
