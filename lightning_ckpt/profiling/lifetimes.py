@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CarriedTerms", "StorageLedger", "block_region", "carried_terms", "gap_region"]
+__all__ = ["CarriedTerms", "StorageLedger", "block_region", "carried_terms", "gap_region", "held_rise"]
 
 PRE = -1  # the region before block 0; block i is region 2i, the gap before block k is 2k - 1
 
@@ -102,6 +102,24 @@ class StorageLedger:
 
     def mark(self) -> int:
         return self.tick
+
+
+def held_rise(ledger: StorageLedger, t0: int, t1: int, held: set) -> int:
+    """How much higher the peak of live bytes over ticks (t0, t1] is when the storages `held`
+    (serials) stay alive to t1 than it was as measured (each tick is one birth or one death)."""
+    events = []
+    for s in range(len(ledger.nbytes)):
+        if t0 < ledger.born_at[s] <= t1:
+            events.append((ledger.born_at[s], ledger.nbytes[s], True))
+        died = ledger.died_at[s]
+        if died is not None and t0 < died <= t1:
+            events.append((died, -ledger.nbytes[s], s not in held))
+    live = kept = peak = kept_peak = 0
+    for _, delta, counts in sorted(events):
+        live += delta
+        kept += delta if counts else 0
+        peak, kept_peak = max(peak, live), max(kept_peak, kept)
+    return kept_peak - peak
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ckpt.profiling.batch import first_tensor, tensors_in
 from lightning_ckpt.profiling.chain_check import receives_output, tensor_version
-from lightning_ckpt.profiling.lifetimes import PRE, Marks, StorageLedger, block_region, carried_terms, gap_region, is_local
+from lightning_ckpt.profiling.lifetimes import PRE, Marks, StorageLedger, block_region, carried_terms, gap_region, held_rise, is_local
 from lightning_ckpt.profiling.op_bytes import OpBytesCounter
 from lightning_ckpt.profiling.op_profile import OpProfileRecorder
 from lightning_ckpt.profiling.tracker import LiveBytesTracker, storage_bytes, storage_key
@@ -89,6 +89,7 @@ class Probe:
         self.bwd_open: int | None = None  # block whose backward window is open
         self.bwd_start_live = 0
         self.post_open = False
+        self.post_end_tick: int | None = None  # where the head's window closed (the first block gradient)
         # storage lives (`lifetimes`): window ticks, the serials behind each block's fields
         self.ledger: StorageLedger = tracker.ledger
         self.entry_tick = [0] * n
@@ -239,6 +240,7 @@ class Probe:
     def _close_window(self) -> None:
         if self.post_open:
             self.post_peak = max(0, self.tracker.peak_bytes - self.live_after_last)
+            self.post_end_tick = self.ledger.mark()
             self.post_open = False
         if self.bwd_open is not None:
             self.bwd_transient[self.bwd_open] = max(0, self.tracker.peak_bytes - self.bwd_start_live)
@@ -295,6 +297,25 @@ class Probe:
             if gap_region(k) in busy:
                 gaps[k] = self.gap_peak[k] + self.output_bytes[k - 1] + terms.at_exit[k - 1]
         return terms, gaps, late
+
+    def hold_in_head(self, carried: frozenset, forward_end: int) -> None:
+        """[constraint] The model counts what was made before the chain as resident all step
+        (`pre_saved_bytes`) and the carried storages alive when the last block ends as alive through
+        the head (`carried_end_bytes`). A checkpointed block holds its arguments until its backward,
+        so a block's argument the step without checkpointing frees in the head (the mask every block
+        gets, an input no op saves) is still there under a plan: the head's peaks are taken with those
+        alive. What no block gets dies in the head under every plan, as measured."""
+        if not self.n or self.post_end_tick is None:
+            return
+        led, t0 = self.ledger, self.exit_tick[-1]
+        held = {
+            s for s in range(len(led.nbytes))
+            if led.args[s] and (s in carried or (led.born_forward[s] and led.born_in[s] == PRE))
+            and led.born_at[s] <= t0 and (led.died_at[s] is None or led.died_at[s] > t0)
+        }
+        if self.post_fwd_peak is not None:
+            self.post_fwd_peak += held_rise(led, t0, forward_end, held)
+        self.post_peak += held_rise(led, t0, self.post_end_tick, held)
 
     def _index(self, module) -> int:
         for k, b in enumerate(self.blocks):

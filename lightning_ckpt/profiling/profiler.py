@@ -97,6 +97,7 @@ def probe_step(
         fwd_ms = _time_blocks(model, blocks, step_fn, batch) if timing else [0.0] * len(blocks)
         ckpt_peaks = _nosave_forward_peaks(blocks, step_fn, batch)
         terms, gaps, late = probe.account_carried(model, forward_end, backward_end, ckpt_peaks, outside)
+        probe.hold_in_head(terms.carried, forward_end)
 
     outside_grad = _grad_bytes(model) - sum(_grad_bytes(b) for b in blocks)
     room = max(0, outside_grad)  # parameters shared by two blocks count twice in the blocks' sum
