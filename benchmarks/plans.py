@@ -1,18 +1,24 @@
-"""Plan quality on both examples: every policy at three budgets, measured side by side.
+"""Plan quality on the examples and on a model we did not write: every policy at several budgets, measured side by side.
 
-    OMP_NUM_THREADS=1 python benchmarks/plans.py           # full run, several minutes
-    OMP_NUM_THREADS=1 python benchmarks/plans.py --quick   # smaller models, under 2 minutes
+    OMP_NUM_THREADS=1 python benchmarks/plans.py                      # full run, tens of minutes
+    OMP_NUM_THREADS=1 python benchmarks/plans.py --quick              # smaller models, a few minutes
+    OMP_NUM_THREADS=1 python benchmarks/plans.py --only bert --policies op-vs-block --repeats 6
 
 For the 48-block text encoder (examples/train_encoder.py, batch 16, its config's
-chain `blocks`) and the ResNet-style CNN (examples/train_cnn.py, batch 64, chain
-stem + layer1..4): profile one step, then at budgets 25 %, 50 % and 75 % of the way
-from the `full` peak to the `none` peak make the plan of every policy (`none`,
-`full`, `every_k` with the smallest k that fits, `sqrt`, `greedy`, `optimal`, and
-`optimal` in `time` at block and at op granularity) and
-report its predicted peak, its peak measured by the live-storage tracker, its
-predicted and measured recompute FLOPs, and its training-step time as a ratio to
-`none`. Batch sizes are ones where `none` runs (a CPU has no hard memory limit, so
-every plan runs); a plan whose peak is over the budget is marked.
+chain `blocks`), the ResNet-style CNN (examples/train_cnn.py, batch 64, chain
+stem + layer1..4) and HF BERT with 48 layers built from its config (hidden 64, 2
+heads, dropout 0.1, batch 16 x 128 tokens, chain `bert.encoder.layer`; transformers'
+default attention, SDPA): profile one step (and measure on the blocks what keeping op
+outputs saves and what recomputing costs: `lightning_ckpt.keep_calibration`), then at
+budgets 25 %, 50 % and 75 % of the way from the `full` peak to the `none` peak (for
+BERT also 16 bytes per parameter plus 30 % and 60 % of the activations of `none`)
+make the plan of every policy (`none`, `full`, `every_k` with the smallest k that
+fits, `sqrt`, `greedy`, `optimal`, and `optimal` in `time` at block and at op
+granularity) and report its predicted peak, its peak measured by the live-storage
+tracker, its predicted and measured recompute FLOPs, and its training-step time as a
+ratio to `none`. Batch sizes are ones where `none` runs (a CPU has no hard memory
+limit, so every plan runs); a plan whose peak is over the budget is marked.
+`--policies op-vs-block` makes and times only `none`, `optimal-time` and `optimal-op`.
 
 Step times are measured interleaved in one run: each repeat visits every distinct
 plan once (in a rotated order), applies it, runs one untimed warm-up step and then
@@ -24,15 +30,13 @@ medians (max / min) is the noise against which ratios are judged.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -41,17 +45,17 @@ sys.path.insert(0, str(ROOT / "examples"))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from _examples import CNN_CHAIN, cnn_example, encoder_example  # noqa: E402
-from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+from _hf_examples import bert_example  # noqa: E402
+from _timing import Case, Variant, measure_variant, step, time_variants  # noqa: E402
 
 from lightning_ckpt import (  # noqa: E402
     InfeasibleBudgetError,
     make_plan,
-    measure_step_peak,
     profile_model,
     resolve_blocks,
     static_memory,
 )
-from lightning_ckpt.apply import apply_segments  # noqa: E402
+from lightning_ckpt.keep_calibration import calibrated_profile  # noqa: E402
 from lightning_ckpt.planning.plan import Plan, format_bytes  # noqa: E402
 
 POLICIES = ("none", "full", "every_k", "sqrt", "greedy", "optimal", "optimal-time", "optimal-op")
@@ -62,49 +66,13 @@ POLICIES = ("none", "full", "every_k", "sqrt", "greedy", "optimal", "optimal-tim
 OPTIMALS = ("optimal", "optimal-time", "optimal-op")
 FRACTIONS = (0.25, 0.50, 0.75)
 BASELINES = ("full", "every_k", "sqrt", "greedy")
-
-
-@dataclass
-class Case:
-    """One example model, ready to step: the chain of blocks, a batch and its optimizer."""
-
-    name: str
-    model: torch.nn.Module
-    names: list[str]
-    blocks: list[torch.nn.Module]
-    batch: Any
-    loss_fn: Callable[[Any], torch.Tensor]
-    optimizer: torch.optim.Optimizer
-    batch_size: int
-
-
-@dataclass
-class Variant:
-    """One distinct plan (segments) with what was measured for it."""
-
-    label: str
-    segments: tuple
-    keeps: tuple = ()  # (block, kept op calls) of an op-level plan
-    inner: tuple = ()  # inner segments of a multi-level plan
-    measured_peak: int = 0
-    step_flops: int = 0
-    times: list[float] = field(default_factory=list)  # on the chosen clock
-    other_times: list[float] = field(default_factory=list)  # on the other clock, for the noise line
-
-    @property
-    def median_s(self) -> float:
-        return statistics.median(self.times)
+OP_VS_BLOCK = ("none", "optimal-time", "optimal-op")
+# BERT's extra budgets: 16 bytes per parameter (fp32 weights, gradients and two AdamW
+# moments) plus this share of the activations of `none`, labelled "+30 %"
+ACTIVATION_SHARES = (0.30, 0.60)
 
 
 # ----------------------------------------------------------------------------- the two examples
-
-
-def _step(case: Case) -> None:
-    """One training step in Lightning's order: forward and loss, zero_grad, backward, step."""
-    loss = case.loss_fn(case.batch)
-    case.optimizer.zero_grad()
-    loss.backward()
-    case.optimizer.step()
 
 
 def _classifier_loss(model):
@@ -131,23 +99,58 @@ def cnn_case(quick: bool) -> Case:
     return Case(f"cnn (stem + 8 blocks, batch {batch_size})", model, names, blocks, batch, _classifier_loss(model), opt, batch_size)
 
 
+def hf_case(example) -> Case:
+    """A `Case` of one of `_hf_examples`' models (AdamW as the examples)."""
+    model, batch, batch_size, chain, loss_fn, name = example
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    _, names, blocks = resolve_blocks(model, chain)
+    return Case(name, model, names, blocks, batch, loss_fn, opt, batch_size)
+
+
+def bert_case(quick: bool) -> Case:
+    case = hf_case(bert_example(quick))
+    case.activation_budgets = True
+    return case
+
+
 # ----------------------------------------------------------------------------- plans and measurements
 
 
-def plan_case(case: Case) -> tuple[dict[float, int], dict[tuple[float, str], Plan | None]]:
-    """Profile once, then every policy's plan at every budget (None: no plan fits)."""
-    _step(case)  # gradients and AdamW state exist, as in steady-state training
-    profile = profile_model(case.model, case.blocks, case.loss_fn, case.batch, (1, 2), 4, names=case.names)
+def profile_case(case: Case):
+    """The profile (and the calibration on the blocks) at the case's batch, as `StepCost`."""
+    step(case)  # gradients and AdamW state exist, as in steady-state training
+    # calibrated after the rates are measured, so the fit of the recompute lands in them
+    profile = profile_model(
+        case.model, case.blocks, case.loss_fn, case.batch, (1, 2), 4, names=case.names, calibrate_keeps=False
+    )
+    profile = calibrated_profile(profile, case.model, case.blocks, case.loss_fn, case.batch)
     static = static_memory(case.model, [case.optimizer])
-    cost = profile.at(
+    return profile.at(
         case.batch_size, static_bytes=static.resident_bytes, optimizer_transient_bytes=static.optimizer_transient_bytes
     )
+
+
+def case_budgets(case: Case, cost) -> dict[str, int]:
+    """Budget label -> bytes: 25/50/75 % of the way from `full` to `none`, and for BERT the
+    activation shares over 16 bytes per parameter."""
     none = make_plan(cost, "none").predicted_peak_bytes
     full = make_plan(cost, "full").predicted_peak_bytes
-    budgets = {f: int(full + f * (none - full)) for f in FRACTIONS}
-    plans: dict[tuple[float, str], Plan | None] = {}
+    budgets = {f"{int(100 * f)} %": int(full + f * (none - full)) for f in FRACTIONS}
+    if case.activation_budgets:
+        params = sum(p.numel() for p in case.model.parameters())
+        activations = none - cost.static_bytes
+        for share in ACTIVATION_SHARES:
+            budgets[f"16 B/param +{int(100 * share)} %"] = int(16 * params + share * activations)
+    return budgets
+
+
+def plan_case(case: Case, policies=POLICIES) -> tuple[dict[str, int], dict[tuple[str, str], Plan | None], Any]:
+    """Profile once, then every policy's plan at every budget (None: no plan fits)."""
+    cost = profile_case(case)
+    budgets = case_budgets(case, cost)
+    plans: dict[tuple[str, str], Plan | None] = {}
     for f, budget in budgets.items():
-        for policy in POLICIES:
+        for policy in policies:
             try:
                 if policy == "optimal-time":
                     plans[(f, policy)] = make_plan(cost, "optimal", budget, metric="time")
@@ -157,45 +160,7 @@ def plan_case(case: Case) -> tuple[dict[float, int], dict[tuple[float, str], Pla
                     plans[(f, policy)] = make_plan(cost, policy, budget)
             except InfeasibleBudgetError:
                 plans[(f, policy)] = None
-    return budgets, plans
-
-
-def measure_variant(case: Case, v: Variant) -> None:
-    """Tracker peak and total FLOPs of one step under the plan (once: the tracker is slow)."""
-    handle = apply_segments(case.blocks, v.segments, keep_ops=dict(v.keeps), inner_segments=v.inner)
-    try:
-        v.measured_peak = measure_step_peak(case.model, case.loss_fn, case.batch, case.optimizer)
-        # A separate step: FlopCounterMode's module tracking holds on to tensors, so
-        # under it the tracker would see checkpointed activations stay alive.
-        with FlopCounterMode(display=False) as counter:
-            _step(case)
-        v.step_flops = int(counter.get_total_flops())
-    finally:
-        handle.remove()
-
-
-def time_variants(case: Case, variants: list[Variant], repeats: int, steps: int, clock: str) -> None:
-    """Round-robin over the variants, `repeats` times, rotating the order each time.
-
-    `clock="cpu"` times a step by this process's CPU time, `"wall"` by the wall clock.
-    With one thread they agree on an idle machine; when other processes share the
-    cores, CPU time leaves out the time this process waited for one.
-    """
-    for r in range(repeats):
-        k = r % len(variants)
-        for v in variants[k:] + variants[:k]:
-            handle = apply_segments(case.blocks, v.segments, keep_ops=dict(v.keeps), inner_segments=v.inner)
-            try:
-                gc.collect()
-                _step(case)  # warm-up: hooks installed, allocator settled
-                for _ in range(steps):
-                    w0, c0 = time.perf_counter(), time.process_time()
-                    _step(case)
-                    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
-                    v.times.append(cpu if clock == "cpu" else wall)
-                    v.other_times.append(wall if clock == "cpu" else cpu)
-            finally:
-                handle.remove()
+    return budgets, plans, cost
 
 
 # ----------------------------------------------------------------------------- report
@@ -220,6 +185,12 @@ def _describe(plan: Plan, names: list[str]) -> str:
 
 def _gflop(x: float) -> str:
     return f"{x / 1e9:.2f}"
+
+
+def _round_medians(v: Variant, repeats: int) -> list[float]:
+    """The median of each round's timed steps of `v` (`time_variants` appends a round at a time)."""
+    k = len(v.times) // repeats
+    return [statistics.median(v.times[r * k:(r + 1) * k]) for r in range(repeats)]
 
 
 def forward_share(case: Case, steps: int, clock: str) -> float:
@@ -260,9 +231,11 @@ def dropout_control(case: Case, repeats: int, steps: int, clock: str) -> float:
     return full.median_s / none.median_s
 
 
-def run_case(case: Case, repeats: int, steps: int, none_copies: int, clock: str) -> tuple[list[str], list[str], dict]:
+def run_case(
+    case: Case, repeats: int, steps: int, none_copies: int, clock: str, policies=POLICIES
+) -> tuple[list[str], list[str], dict]:
     t0 = time.time()
-    budgets, plans = plan_case(case)
+    budgets, plans, cost = plan_case(case, policies)
     # distinct plans, labelled by the first policy that produced them
     variants: dict[tuple, Variant] = {}
     for (f, policy), plan in plans.items():
@@ -275,7 +248,7 @@ def run_case(case: Case, repeats: int, steps: int, none_copies: int, clock: str)
         measure_variant(case, v)
     t_measure = time.time() - t0
     time_variants(case, list(variants.values()) + nones, repeats, steps, clock)
-    share = forward_share(case, max(3, repeats), clock)
+    share = forward_share(case, max(3, repeats), clock) if "full" in policies else None
     t_total = time.time() - t0
 
     none = variants[((), (), ())]
@@ -288,12 +261,11 @@ def run_case(case: Case, repeats: int, steps: int, none_copies: int, clock: str)
     base_flops = none.step_flops
 
     rows = []
-    ratios: dict[tuple[float, str], tuple[float, bool]] = {}
-    for f in FRACTIONS:
-        budget = budgets[f]
-        for policy in POLICIES:
+    ratios: dict[tuple[str, str], tuple[float, bool, Variant]] = {}
+    for f, budget in budgets.items():
+        for policy in policies:
             plan = plans[(f, policy)]
-            label = f"{int(100 * f)} % ({format_bytes(budget)})"
+            label = f"{f} ({format_bytes(budget)})"
             if plan is None:
                 rows.append(f"| {case.name} | {label} | {policy} | no plan fits | NO | | | | | | | |")
                 continue
@@ -306,7 +278,7 @@ def run_case(case: Case, repeats: int, steps: int, none_copies: int, clock: str)
             else:
                 fits = "yes"
             ratio = statistics.median(v.times) / none_median if v is not none else statistics.median(none_times) / none_median
-            ratios[(f, policy)] = (ratio, fits == "yes")
+            ratios[(f, policy)] = (ratio, fits == "yes", v)
             rows.append(
                 f"| {case.name} | {label} | {policy} | {_describe(plan, case.names)} | {fits} | "
                 f"{format_bytes(plan.predicted_peak_bytes)} | {format_bytes(v.measured_peak)} | {100 * err:+.1f} % | "
@@ -314,77 +286,97 @@ def run_case(case: Case, repeats: int, steps: int, none_copies: int, clock: str)
                 f"{1e3 * statistics.median(v.times if v is not none else none_times):.0f} | {ratio:.2f} |"
             )
 
+    rates = cost.rates
+    timed = [b for b in cost.blocks if b.keep_saved_ms is not None]
     notes = [
         f"{case.name}: {len(variants)} distinct plans, {repeats} rounds x {steps} timed steps each; `none` timed as "
         f"{none_copies} separate entries, medians {', '.join(f'{1e3 * m:.0f}' for m in none_medians)} ms -> "
         f"noise (max/min) {100 * (spread - 1):.1f} % ({'wall' if clock == 'cpu' else 'cpu'} clock: "
-        f"{100 * (other_spread - 1):.1f} %); peaks and FLOPs took {t_measure:.0f} s, all {t_total:.0f} s."
+        f"{100 * (other_spread - 1):.1f} %); peaks and FLOPs took {t_measure:.0f} s, all {t_total:.0f} s.",
+        f"  rates: {rates}; keeping costs {1e6 * rates.keep_draws_op_s:.1f} / {1e6 * rates.keep_ops_op_s:.1f} us per "
+        f"op call (draws / other calls); {len(timed)} blocks with a measured saving beyond noise of "
+        f"{sorted({round(b.keep_saved_ms, 2) for b in timed})} ms (every keepable call), "
+        f"{sorted({round(b.keep_draws_saved_ms, 2) for b in timed if b.keep_draws_saved_ms is not None})} ms (draws)",
     ]
-    verdicts = {"spread": spread, "optimal_vs_baselines": {p: [] for p in OPTIMALS}}
-    for f in FRACTIONS:
+    verdicts: dict[str, Any] = {"spread": spread, "optimal_vs_baselines": {p: [] for p in OPTIMALS if p in policies}}
+    for f in budgets:
         fitting = {p: ratios[(f, p)][0] for p in BASELINES if (f, p) in ratios and ratios[(f, p)][1]}
         best = min(fitting, key=fitting.get) if fitting else None
         against = f"best fitting baseline {best} x{fitting[best]:.2f}" if best else "no fitting baseline"
-        for name in OPTIMALS:
+        for name in verdicts["optimal_vs_baselines"]:
             opt = ratios.get((f, name))
             if opt is None:
-                notes.append(f"  {int(100 * f)} %: {name} found no plan")
+                notes.append(f"  {f}: {name} found no plan")
                 verdicts["optimal_vs_baselines"][name].append(False)
                 continue
             ok = opt[1] and (best is None or opt[0] <= fitting[best] * spread)
             verdicts["optimal_vs_baselines"][name].append(ok)
             notes.append(
-                f"  {int(100 * f)} %: {name} x{opt[0]:.2f} ({'fits' if opt[1] else 'DOES NOT FIT'}) vs {against} "
+                f"  {f}: {name} x{opt[0]:.2f} ({'fits' if opt[1] else 'DOES NOT FIT'}) vs {against} "
                 f"-> {'no worse beyond noise' if ok else 'WORSE than noise allows'}"
             )
     # op-level against block-level optimal (both in `time`): never worse beyond noise, and how much better
     verdicts["op_vs_block"] = []
-    for f in FRACTIONS:
+    for f in budgets:
         op, blk = ratios.get((f, "optimal-op")), ratios.get((f, "optimal-time"))
         if op is None or blk is None:
-            notes.append(f"  {int(100 * f)} %: optimal-op or optimal-time found no plan")
+            notes.append(f"  {f}: optimal-op or optimal-time found no plan")
             verdicts["op_vs_block"].append((f, None, False))
             continue
         rel = op[0] / blk[0]
-        ok = op[1] and rel <= spread
+        # per round, the two plans' medians side by side: the spread of these ratios is the noise
+        # between two plans, which the copies of `none` (one plan) can understate
+        pairs = sorted(_round_medians(op[2], repeats)[k] / _round_medians(blk[2], repeats)[k] for k in range(repeats))
+        lo, hi = (statistics.quantiles(pairs, n=4)[::2] if len(pairs) >= 2 else (pairs[0], pairs[0]))
+        noise = max(spread - 1, (hi - lo) / 2)
+        ok = op[1] and statistics.median(pairs) <= 1 + noise
         verdicts["op_vs_block"].append((f, rel, ok))
+        same = " (the same plan)" if op[2] is blk[2] else f" ({len(op[2].keeps)} blocks keep op outputs)"
         notes.append(
-            f"  {int(100 * f)} %: optimal-op x{op[0]:.2f} vs optimal-time x{blk[0]:.2f}: step time x{rel:.3f} "
-            f"({100 * (1 - rel):+.1f} % lower) -> {'no worse beyond noise' if ok else 'WORSE than noise allows'}"
+            f"  {f}: optimal-op x{op[0]:.2f} vs optimal-time x{blk[0]:.2f}{same}: step time x{rel:.3f} "
+            f"({100 * (1 - rel):+.1f} % lower; per round x{statistics.median(pairs):.3f}, quartiles "
+            f"{lo:.3f}..{hi:.3f}, noise {100 * noise:.1f} %) -> "
+            f"{'no worse beyond noise' if ok else 'WORSE than noise allows'}"
         )
-    full_plan = plans[(FRACTIONS[0], "full")]
-    full_v = variants[(full_plan.segments, (), ())]
-    verdicts["full_ratio"] = full_v.median_s / none_median
-    # what one extra forward of the recomputed blocks costs if it runs as fast as the first one
-    recompute_of_forward = full_plan.recompute_flops / (full_plan.step_flops / 3)
-    notes.append(
-        f"  full: x{verdicts['full_ratio']:.2f} of none. The forward is {100 * share:.0f} % of a step's time here "
-        f"(not the 33 % of its FLOPs) and full recomputes {100 * recompute_of_forward:.0f} % of the forward's FLOPs: "
-        f"one extra forward would be x{1 + share * recompute_of_forward:.2f}."
-    )
-    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in case.model.modules()):
-        verdicts["full_ratio_no_dropout"] = dropout_control(case, max(3, repeats), steps, clock)
+    if "full" in policies:
+        full_plan = plans[(next(iter(budgets)), "full")]
+        full_v = variants[(full_plan.segments, (), ())]
+        verdicts["full_ratio"] = full_v.median_s / none_median
+        # what one extra forward of the recomputed blocks costs if it runs as fast as the first one
+        recompute_of_forward = full_plan.recompute_flops / (full_plan.step_flops / 3)
         notes.append(
-            f"  control, same model with dropout p = 0: full x{verdicts['full_ratio_no_dropout']:.2f} of none "
-            "(the rest of full's overhead is redrawing the dropout masks in the recompute)."
+            f"  full: x{verdicts['full_ratio']:.2f} of none. The forward is {100 * share:.0f} % of a step's time here "
+            f"(not the 33 % of its FLOPs) and full recomputes {100 * recompute_of_forward:.0f} % of the forward's "
+            f"FLOPs: one extra forward would be x{1 + share * recompute_of_forward:.2f}."
         )
+        if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in case.model.modules()):
+            verdicts["full_ratio_no_dropout"] = dropout_control(case, max(3, repeats), steps, clock)
+            notes.append(
+                f"  control, same model with dropout p = 0: full x{verdicts['full_ratio_no_dropout']:.2f} of none "
+                "(the rest of full's overhead is redrawing the dropout masks in the recompute)."
+            )
     return rows, notes, verdicts
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller models and fewer repeats: a smoke run under 2 minutes")
-    parser.add_argument("--repeats", type=int, default=None, help="timing rounds (default: encoder 5, cnn 12; quick 2)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per visit (default: encoder 2, cnn 3; quick 1)")
+    parser.add_argument("--repeats", type=int, default=None, help="timing rounds (default: encoder 5, cnn 12, bert 3; quick 2)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per visit (default: encoder 2, cnn 3, bert 2; quick 1)")
     parser.add_argument("--none-copies", type=int, default=3, help="how many separate `none` entries to time (noise)")
-    parser.add_argument("--only", choices=("encoder", "cnn"), default=None, help="run one example only")
+    parser.add_argument("--only", choices=("encoder", "cnn", "bert"), default=None, help="run one model only")
+    parser.add_argument(
+        "--policies", choices=("all", "op-vs-block"), default="all",
+        help="every policy (default), or only none, optimal-time and optimal-op (more rounds in the same time)",
+    )
     parser.add_argument(
         "--clock", choices=("cpu", "wall"), default="cpu",
         help="time steps by process CPU time (default: robust to other processes on the cores) or wall clock",
     )
     args = parser.parse_args(argv)
     # The encoder's step takes ~10x the CNN's: fewer rounds for it keep the run to minutes.
-    default_rounds = {"encoder": (5, 2), "cnn": (12, 3)}
+    default_rounds = {"encoder": (5, 2), "cnn": (12, 3), "bert": (3, 2)}
+    policies = POLICIES if args.policies == "all" else OP_VS_BLOCK
 
     if "OMP_NUM_THREADS" not in os.environ:
         print("note: OMP_NUM_THREADS is not set; using torch.set_num_threads(1)", file=sys.stderr)
@@ -395,14 +387,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start, fp32, AdamW, "
         f"{'quick' if args.quick else 'full'} run; step times on the {args.clock} clock"
     )
-    builders = {"encoder": encoder_case, "cnn": cnn_case}
+    builders = {"encoder": encoder_case, "cnn": cnn_case, "bert": bert_case}
     names = [args.only] if args.only else list(builders)
     all_rows, all_notes, verdicts = [], [], {}
     for name in names:
         case = builders[name](args.quick)
         repeats = args.repeats or (2 if args.quick else default_rounds[name][0])
         steps = args.steps or (1 if args.quick else default_rounds[name][1])
-        rows, notes, v = run_case(case, repeats, steps, args.none_copies, args.clock)
+        rows, notes, v = run_case(case, repeats, steps, args.none_copies, args.clock, policies)
         all_rows += rows
         all_notes += notes
         verdicts[name] = v
@@ -430,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{name}, optimal-op vs optimal-time: fits and no worse beyond noise at every budget: "
             f"{'yes' if all(ok for _, _, ok in v['op_vs_block']) else 'NO'}{best}"
         )
-    if "encoder" in verdicts:
+    if "encoder" in verdicts and "full_ratio" in verdicts["encoder"]:
         r, spread = verdicts["encoder"]["full_ratio"], verdicts["encoder"]["spread"]
         print(f"encoder: full step time x{r:.3f} of none (noise {100 * (spread - 1):.1f} %)")
         if "full_ratio_no_dropout" in verdicts["encoder"]:

@@ -58,7 +58,6 @@ PATCHES = (
     ("lightning_ckpt.profiling.forward_passes", "nosave_forward_peaks", "no-save fwd"),
     ("lightning_ckpt.profiling.rates", "measure_rates", "rates"),
     ("lightning_ckpt.keep_calibration", "calibrated_profile", "calibration"),
-    ("lightning_ckpt.profiling.keep_calibration", "calibrated_profile", "calibration"),
     ("lightning_ckpt.planning.policies", "make_plan", "planning"),
     ("lightning_ckpt.engine.target_plan", "plan_for_target", "planning"),
     ("lightning_ckpt.engine.target_plan", "plan_for_max", "planning"),

@@ -1,4 +1,7 @@
-"""Measured savings of keeping op outputs, and how they scale the `time` op-level options."""
+"""What keeping saves and recomputing costs, measured on the blocks, and how it scales the `time` options.
+
+Measured times are never asserted on: the tests check what is measured and where it goes, and
+put chosen timings (`BlockTiming`) in where a number matters."""
 
 from __future__ import annotations
 
@@ -11,6 +14,16 @@ import torch
 from models import MLPBlock, TinyChain, tokens_batch
 from torch import nn
 
+import lightning_ckpt.keep_calibration as calibration
+from lightning_ckpt.keep_calibration import (
+    BlockCall,
+    calibrated_profile,
+    capture_block_calls,
+    lighter_choice,
+    measure_block,
+    measure_keep_overheads,
+    measure_step_blocks,
+)
 from lightning_ckpt.planning.costs import BlockCost, OpCost, StepCost
 from lightning_ckpt.planning.machine_rates import MachineRates
 from lightning_ckpt.planning.op_options import (
@@ -20,13 +33,7 @@ from lightning_ckpt.planning.op_options import (
     option_items,
     step_options,
 )
-from lightning_ckpt.profiling.keep_calibration import (
-    BlockCall,
-    KeepSavings,
-    capture_block_calls,
-    measure_keep_savings,
-    with_keep_savings,
-)
+from lightning_ckpt.planning.timing_fit import BlockTiming, fit_op_call_s
 from lightning_ckpt.profiling.profiler import probe_step, profile_model
 
 
@@ -75,9 +82,13 @@ def test_measuring_leaves_rng_buffers_and_grads_as_found():
     buffers = {n: b.clone() for n, b in block.named_buffers()}
     rng = torch.get_rng_state()
 
-    got = measure_keep_savings(block, BlockCall((x,), {}), keys, draws, rounds=2)
+    part = [k for k in keys if k not in draws][:1]
+    got = measure_block(block, BlockCall((x,), {}), keys, draws, min_rounds=2, max_rounds=2, part_keys=part)
 
-    assert math.isfinite(got.all_ms) and got.draws_ms is not None and math.isfinite(got.draws_ms)
+    assert got.part_keys == tuple(part)
+    for value in (got.all_ms, got.draws_ms, got.recompute_ms, got.noise_ms, got.part_ms):
+        assert value is not None and math.isfinite(value)
+    assert got.rounds == 2 and got.noise_ms >= 0
     assert torch.equal(torch.get_rng_state(), rng)
     for n, b in block.named_buffers():
         assert torch.equal(b, buffers[n]), n
@@ -87,30 +98,86 @@ def test_measuring_leaves_rng_buffers_and_grads_as_found():
     assert x.grad is None
 
 
-def test_no_draw_saving_without_draws_and_the_whole_one_when_only_draws_are_kept():
+def test_what_is_measured_follows_what_there_is_to_keep():
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(8, 8), nn.GELU())
     x = torch.randn(4, 8)
     keys, draws = _keys(block, x)
     assert keys and not draws
-    assert measure_keep_savings(block, BlockCall((x,), {}), keys, draws, rounds=1).draws_ms is None
+    got = measure_block(block, BlockCall((x,), {}), keys, draws, min_rounds=1, max_rounds=1)
+    assert got.draws_ms is None and got.all_ms is not None and got.recompute_ms is not None
     only_draws = MLPBlock(8, p=0.5)
-    keys, draws = _keys(only_draws, torch.randn(4, 8))
-    got = measure_keep_savings(only_draws, BlockCall((torch.randn(4, 8),), {}), draws, draws, rounds=1)
+    _, draws = _keys(only_draws, torch.randn(4, 8))
+    got = measure_block(only_draws, BlockCall((torch.randn(4, 8),), {}), draws, draws, min_rounds=1, max_rounds=1)
     assert got.draws_ms == got.all_ms
+    # nothing to keep: the recompute alone
+    bare = measure_block(block, BlockCall((x,), {}), min_rounds=1, max_rounds=1)
+    assert bare.all_ms is None and bare.draws_ms is None and bare.recompute_ms is not None and bare.noise_ms == 0.0
+    no_recompute = measure_block(block, BlockCall((x,), {}), keys, min_rounds=1, max_rounds=1, recompute=False)
+    assert no_recompute.recompute_ms is None and no_recompute.all_ms is not None
 
 
-def test_measuring_checks_its_keys():
+def test_rounds_go_on_while_a_saving_is_within_its_noise(monkeypatch):
+    """Injected times (ms) for a step not checkpointed, checkpointed, and keeping: a saving of
+    about 0 ms +- 3 ms in turn runs the rounds to the most allowed; a steady one stops at the fewest,
+    with no noise, and the recompute is the difference of the two checkpointed-or-not times."""
+    block, call = nn.Linear(4, 4), BlockCall((torch.randn(2, 4),), {})
+    key = [("aten.addmm.default", 0)]
+    state = {"variant": "plain", "keeping": []}
+    real_apply = calibration.apply_segments
+
+    def apply_segments(blocks, segments, keep_ops=None):
+        handle = real_apply(blocks, segments, keep_ops=keep_ops)
+        state["variant"] = "all" if keep_ops else "none"
+        remove = handle.remove
+
+        def removed():
+            state["variant"] = "plain"
+            remove()
+
+        handle.remove = removed
+        return handle
+
+    def clock_for(times):
+        now, reads = [0.0], [0]
+
+        def clock():
+            reads[0] += 1
+            if reads[0] % 2 == 0:  # the end of a step: its time passes
+                variant = state["variant"]
+                ms = times[variant]
+                if variant == "all":
+                    state["keeping"].append(ms)
+                    ms = ms[len(state["keeping"]) % len(ms)]
+                now[0] += ms * 1e-3
+            return now[0]
+
+        return lambda device: clock
+
+    monkeypatch.setattr(calibration, "apply_segments", apply_segments)
+    monkeypatch.setattr(calibration, "step_clock", clock_for({"plain": 5.0, "none": 10.0, "all": [10.0, 13.0, 7.0, 10.0]}))
+    got = measure_block(block, call, key, min_rounds=3, max_rounds=9)
+    assert got.rounds == 9 and got.noise_ms > abs(got.all_ms) and got.recompute_ms == pytest.approx(5.0)
+    state["keeping"] = []
+    monkeypatch.setattr(calibration, "step_clock", clock_for({"plain": 5.0, "none": 10.0, "all": [9.0]}))
+    got = measure_block(block, call, key, min_rounds=3, max_rounds=9)
+    assert got.rounds == 3 and got.noise_ms == pytest.approx(0.0, abs=1e-9)
+    assert got.all_ms == pytest.approx(1.0) and got.recompute_ms == pytest.approx(5.0)
+
+
+def test_measuring_checks_its_arguments():
     block = nn.Linear(4, 4)
     call = BlockCall((torch.randn(2, 4),), {})
-    with pytest.raises(ValueError, match="all_keys is empty"):
-        measure_keep_savings(block, call, [])
+    with pytest.raises(ValueError, match="nothing to measure"):
+        measure_block(block, call, [], recompute=False)
     with pytest.raises(ValueError, match="are not in all_keys"):
-        measure_keep_savings(block, call, [("aten.addmm.default", 0)], [("aten.bernoulli_.float", 0)])
-    with pytest.raises(ValueError, match="rounds=0 must be at least 1"):
-        measure_keep_savings(block, call, [("aten.addmm.default", 0)], rounds=0)
+        measure_block(block, call, [("aten.addmm.default", 0)], [("aten.bernoulli_.float", 0)])
+    with pytest.raises(ValueError, match="are not in all_keys"):
+        measure_block(block, call, [("aten.addmm.default", 0)], part_keys=[("aten.t.default", 0)])
+    with pytest.raises(ValueError, match=r"min_rounds=0, max_rounds=5: need 1 <= min_rounds <= max_rounds"):
+        measure_block(block, call, [("aten.addmm.default", 0)], min_rounds=0, max_rounds=5)
     with pytest.raises(ValueError, match="never made"):
-        measure_keep_savings(block, call, [("aten.mm.default", 7)], rounds=1)
+        measure_block(block, call, [("aten.mm.default", 7)], min_rounds=1, max_rounds=1)
 
 
 def test_captured_calls_are_copies_with_their_autocast():
@@ -129,6 +196,45 @@ def test_captured_calls_are_copies_with_their_autocast():
     assert x.shape == (4, 5, 8) and not x.requires_grad
     assert calls[1].autocast == (("cpu", torch.bfloat16),)
     assert capture_block_calls(list(model.blocks), [0], loss, batch)[0].autocast == ()
+
+
+def test_blocks_with_equal_calls_share_one_measurement(monkeypatch):
+    """The head (a Linear, nothing worth keeping) and the blocks (dropout) are measured apart; with
+    no block to keep anything, the most frequent kind is still measured for its recompute."""
+    torch.manual_seed(0)
+    model = TinyChain(n_blocks=3, d=8, p=0.1)
+    batch = tokens_batch(batch=4, seq=5)
+    seen = []
+
+    def fake(block, call, all_keys=(), draw_keys=(), min_rounds=1, max_rounds=1, recompute=True, part_keys=()):
+        seen.append((block, bool(all_keys)))
+        return BlockTiming(all_ms=2.0 if all_keys else None, draws_ms=1.0 if draw_keys else None, recompute_ms=3.0)
+
+    monkeypatch.setattr(calibration, "measure_block", fake)
+    blocks = [*model.blocks, model.head]
+    cost = probe_step(model, blocks, _chain_loss(model), batch, timing=False)
+    found = measure_step_blocks(cost, model, blocks, _chain_loss(model), batch, rates=RATES)
+    assert seen == [(model.blocks[0], True)] and sorted(found) == [0, 1, 2]
+    scaled = nn.Sequential(nn.Embedding(50, 8), Scale(), Scale(), Scale())
+
+    def scaled_loss(b):
+        return scaled(b[0]).square().mean()
+
+    seen.clear()
+    cost = probe_step(scaled, list(scaled)[1:], scaled_loss, batch, timing=False)
+    assert not any(option_items(b) for b in cost.blocks)
+    found = measure_step_blocks(cost, scaled, list(scaled)[1:], scaled_loss, batch, rates=RATES)
+    assert seen == [(scaled[1], False)] and sorted(found) == [0, 1, 2]
+    assert found[0].all_ms is None and found[0].recompute_ms == 3.0
+    # without rates nothing is fitted: only blocks with calls to keep are timed
+    assert measure_step_blocks(cost, scaled, list(scaled)[1:], scaled_loss, batch) == {}
+
+
+class Scale(nn.Module):
+    """x * 2: backward saves nothing, so there is nothing to keep."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2.0
 
 
 def test_profile_measures_each_distinct_block_once_on_the_whole_batch_and_scales_with_the_batch():
@@ -153,6 +259,50 @@ def test_profile_measures_each_distinct_block_once_on_the_whole_batch_and_scales
     assert [o.value for o in opts[0]] == pytest.approx(expected)
 
 
+def test_a_calibrated_profile_carries_the_fitted_rates(monkeypatch):
+    """Rates in the probes: their per-call recompute cost becomes the fit to the (injected)
+    measured recompute, their keeping costs are measured; every probe gets the same rates."""
+    torch.manual_seed(0)
+    model = TinyChain(n_blocks=3, d=16, p=0.1)
+    batch = tokens_batch(batch=8, seq=6)
+    given = MachineRates(flop_per_s=1e10, mem_byte_per_s=1e9, rng_byte_per_s=1e8, segment_s=1e-5, op_call_s=1e-6)
+    profile = profile_model(model, list(model.blocks), _chain_loss(model), batch, (2, 4), 8, rates=given,
+                            calibrate_keeps=False)
+    timing = BlockTiming(all_ms=5.0, draws_ms=2.0, noise_ms=1.0, recompute_ms=15.0, rounds=5)
+    monkeypatch.setattr(calibration, "measure_block", lambda *a, **k: timing)
+    monkeypatch.setattr(calibration, "measure_keep_overheads", lambda device: (2e-6, 3e-6))
+    got = calibrated_profile(profile, model, list(model.blocks), _chain_loss(model), batch)
+    at8 = got.at(8)
+    fitted = fit_op_call_s(profile.at(8), {i: timing for i in range(3)}, given)
+    assert fitted is not None and fitted > given.op_call_s
+    assert at8.rates == dataclasses.replace(given, op_call_s=fitted, keep_draws_op_s=2e-6, keep_ops_op_s=3e-6)
+    assert all(p.rates == at8.rates for p in (*got.probes, got.check))
+    assert [b.keep_saved_ms for b in at8.blocks] == pytest.approx([4.0] * 3)  # beyond the noise only
+    assert [b.keep_draws_saved_ms for b in at8.blocks] == pytest.approx([1.0] * 3)
+    # rates the user gave stay as given; the savings still land
+    kept = calibrated_profile(profile, model, list(model.blocks), _chain_loss(model), batch, fit_rates=False).at(8)
+    assert kept.rates == given and [b.keep_saved_ms for b in kept.blocks] == pytest.approx([4.0] * 3)
+
+
+def test_the_lighter_choice_keeps_some_calls_that_are_not_draws():
+    cheap = MachineRates(flop_per_s=1e9, mem_byte_per_s=1e9, rng_byte_per_s=1e8)
+    plain = _block()
+    choice = lighter_choice(plain, cheap)
+    options = block_options(plain, "time", cheap)
+    assert choice and choice != tuple(sorted(o.key for o in option_items(plain)))
+    assert choice == next(o.keys for o in options if set(o.keys) != {DRAW.key})
+    # a measured saving does not change which is timed; nothing but draws to keep: none
+    assert lighter_choice(_block(keep_saved_ms=-1.0), cheap) == choice
+    assert lighter_choice(BlockCost("d", 8000, 100, ops=(DRAW,)), cheap) == ()
+
+
+def test_keep_overheads_are_measured_apart_from_the_global_rng():
+    before = torch.get_rng_state()
+    draws_s, ops_s = measure_keep_overheads(torch.device("cpu"), repeats=1, calls=1)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert all(math.isfinite(v) and v >= 0 for v in (draws_s, ops_s))
+
+
 def test_no_calibration_without_timing_or_when_turned_off():
     torch.manual_seed(0)
     model = TinyChain(n_blocks=2, d=8, p=0.1)
@@ -161,15 +311,6 @@ def test_no_calibration_without_timing_or_when_turned_off():
         profile = profile_model(model, list(model.blocks), _chain_loss(model), batch, (1, 2), None, **kw)
         assert all(b.keep_saved_ms is None and b.keep_draws_saved_ms is None for b in profile.at(4).blocks)
         assert "keep_calibration_s" not in profile.probes[0].meta
-
-
-def test_with_keep_savings_scales_to_the_probe_batch_and_skips_unmeasured_blocks():
-    cost = StepCost(blocks=(BlockCost("a", 10, 1), BlockCost("b", 10, 1)), batch_size=2)
-    got = with_keep_savings(cost, {1: KeepSavings(all_ms=-4.0, draws_ms=8.0)}, measured_batch=8)
-    assert got.blocks[0] == cost.blocks[0]
-    assert got.blocks[1].keep_saved_ms == -1.0 and got.blocks[1].keep_draws_saved_ms == 2.0
-    with pytest.raises(ValueError, match="measured_batch=0 must be a positive batch size"):
-        with_keep_savings(cost, {}, measured_batch=0)
 
 
 # ----------------------------------------------------------------------------- the data

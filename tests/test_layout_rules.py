@@ -1,8 +1,9 @@
 """Layout rules of the package, read from its source with `ast` (nothing is imported).
 
 No import cycle among the package's modules; Lightning only in `integrations/`;
-DeepSpeed only inside functions of `integrations/`; no torch in `planning/`; no
-module over 450 lines. Each rule is first tried on a small package written to
+DeepSpeed only inside functions of `integrations/`; no torch in `planning/`; nothing in
+`profiling/` or `planning/` imports the modules that apply plans (`apply*`), even inside a
+function: they come later in the pipeline; no module over 450 lines. Each rule is first tried on a small package written to
 `tmp_path`, then the real `lightning_ckpt` is checked.
 """
 
@@ -17,7 +18,8 @@ import pytest
 
 MAX_LINES = 450
 LIGHTNING = {"lightning", "pytorch_lightning"}
-RULES = ("cycle", "lightning", "deepspeed", "torch", "lines")
+RULES = ("cycle", "lightning", "deepspeed", "torch", "apply", "lines")
+EARLY_STAGES = ("profiling", "planning")  # the stages before a plan is applied
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent / "lightning_ckpt"
 
 
@@ -172,6 +174,15 @@ def _in(module: str, package: str) -> bool:
     return module == package or module.startswith(package + ".")
 
 
+def _applier(site: ImportSite, modules: dict[str, Path], pkg: str) -> str | None:
+    """The module that applies plans (`pkg.apply`, `pkg.apply_*`) a site imports, if any."""
+    for name in filter(None, (_resolve(site, modules), site.target, f"{site.target}.{site.name}" if site.name else None)):
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[0] == pkg and (parts[1] == "apply" or parts[1].startswith("apply_")):
+            return ".".join(parts[:2])
+    return None
+
+
 def check_package(root: Path) -> list[Violation]:
     """Every layout rule broken by the package at directory `root`, in the order of RULES."""
     pkg = root.name
@@ -187,6 +198,7 @@ def check_package(root: Path) -> list[Violation]:
         found.append(Violation("cycle", tuple(cycle), detail + (f"; also in it: {', '.join(extra)}" if extra else "")))
     for module, path in modules.items():
         integrations = _in(module, f"{pkg}.integrations")
+        early = any(_in(module, f"{pkg}.{stage}") for stage in EARLY_STAGES)
         for site in sites[module]:
             top = site.target.split(".")[0]
             where = f"{module} line {site.line} imports {site.target}"
@@ -196,6 +208,13 @@ def check_package(root: Path) -> list[Violation]:
                 found.append(Violation("deepspeed", (module,), f"{where}: import it inside a function of {pkg}/integrations/"))
             if top == "torch" and _in(module, f"{pkg}.planning"):
                 found.append(Violation("torch", (module,), f"{where}: planning works on plain data, without torch"))
+            applier = _applier(site, modules, pkg)
+            if early and applier:
+                found.append(Violation(
+                    "apply", (module,),
+                    f"{where}{'' if applier == site.target else f' ({applier})'}: profiling and planning come before "
+                    f"a plan is applied; move the code that needs {applier} to a module beside it",
+                ))
         lines = len(path.read_text(encoding="utf-8").splitlines())
         if lines > MAX_LINES:
             found.append(Violation("lines", (module,), f"{module} has {lines} lines, over {MAX_LINES}: split it"))
@@ -345,6 +364,35 @@ def test_deepspeed_outside_functions_of_integrations(tmp_path, module, text):
 def test_torch_in_planning(tmp_path, text):
     violations = check_package(write_package(tmp_path, planning__capacity=text))
     assert [(v.rule, v.modules) for v in violations] == [("torch", ("lightning_ckpt.planning.capacity",))]
+
+
+@pytest.mark.parametrize(
+    ("module", "text"),
+    [
+        ("profiling__tracker", "import torch\n\n\ndef f():\n    from lightning_ckpt.apply import apply_segments\n"),
+        ("profiling__tracker", "import torch\n\nfrom lightning_ckpt import apply_selective\n"),
+        ("planning__plan", "import lightning_ckpt.apply\n"),
+        ("planning__plan", "from ..apply_compiled import x\n"),
+    ],
+)
+def test_apply_from_profiling_or_planning(tmp_path, module, text):
+    root = write_package(tmp_path, **{module: text}, apply="X = 1\n", apply_selective="X = 1\n")
+    violations = [v for v in check_package(root) if v.rule == "apply"]
+    assert [v.modules for v in violations] == [("lightning_ckpt." + module.replace("__", "."),)]
+    assert "profiling and planning come before a plan is applied" in str(violations[0])
+
+
+def test_apply_from_later_stages_and_look_alikes_is_fine(tmp_path):
+    """integrations and top-level modules may apply plans; `applied_marks` is not `apply*`."""
+    root = write_package(
+        tmp_path,
+        apply="X = 1\n",
+        keep_calibration="from lightning_ckpt.apply import X\n",
+        integrations__callback="import lightning.pytorch as pl\n\nfrom lightning_ckpt.apply import X\n",
+        profiling__applied_marks="X = 1\n",
+        profiling__tracker="import torch\n\nfrom lightning_ckpt.profiling.applied_marks import X\n",
+    )
+    assert check_package(root) == []
 
 
 def test_module_over_450_lines(tmp_path):

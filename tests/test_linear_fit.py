@@ -58,7 +58,7 @@ def test_ops_round_trip_through_dicts():
 
 
 def test_keep_savings_follow_a_line_that_may_go_below_zero():
-    """Measured savings of keeping (`profiling.keep_calibration`) are fitted like `fwd_ms`, but
+    """Measured savings of keeping (`lightning_ckpt.keep_calibration`) are fitted like `fwd_ms`, but
     not clamped at 0: a negative saving says keeping loses time. One probe without them: None."""
     import dataclasses
 

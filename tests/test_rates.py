@@ -1,9 +1,14 @@
-"""Machine rates: measured, stored with the profile, and what the `time` metric makes of them."""
+"""Machine rates: measured, stored with the profile, and what the `time` metric makes of them.
+
+No test asserts on a measured time: measured rates are checked for what they are (positive,
+finite, where they belong), and every number a test reasons about comes from rates it gives."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -18,7 +23,8 @@ from lightning_ckpt import (
     measure_rates,
     profile_model,
 )
-from lightning_ckpt.planning.recompute_cost import block_recompute, recompute_cost
+import lightning_ckpt.profiling.rates as rates_module
+from lightning_ckpt.planning.recompute_cost import block_recompute, op_calls, recompute_cost, skipped_tail
 
 
 class EncoderThenNorm(nn.Module):
@@ -57,6 +63,8 @@ def test_measured_rates_are_positive_finite_and_stored_in_meta(profiled):
         assert rates is not None
         for value in (rates.flop_per_s, rates.mem_byte_per_s, rates.rng_byte_per_s):
             assert value > 0 and math.isfinite(value)
+        for value in (rates.segment_s, rates.op_call_s, rates.keep_draws_op_s, rates.keep_ops_op_s):
+            assert value >= 0 and math.isfinite(value)
         assert rates.device == "cpu" and rates.flop_dtype == rates.mem_dtype == "torch.float32"
     cost = profiled.at(8)
     assert cost.rates == profiled.probes[0].rates  # measured once, the same at every batch size
@@ -66,19 +74,26 @@ def test_measured_rates_are_positive_finite_and_stored_in_meta(profiled):
     assert StepCost.from_dict(json.loads(json.dumps(cost.to_dict()))).rates == cost.rates
 
 
+# rates of the order `profile_model` measured on the 2-core CPU the suite runs on
+GIVEN = MachineRates(flop_per_s=1.0e11, mem_byte_per_s=1.0e10, rng_byte_per_s=9.0e8, segment_s=2.5e-5, op_call_s=2.0e-5)
+
+
 def test_time_metric_orders_an_encoder_block_far_above_a_lone_layer_norm(profiled):
     cost = profiled.at(8)
     enc, _, ln = cost.blocks
     assert ln.fwd_flops == 0 and block_recompute(ln, "flops") == 0  # the problem: free under flops
     assert ln.fwd_mem_bytes > 0 and enc.fwd_mem_bytes > 0 and enc.fwd_rng_bytes > 0
-    rates = cost.rates
-    t_enc, t_ln = block_recompute(enc, "time", rates), block_recompute(ln, "time", rates)
-    assert 0 < t_ln < t_enc / 20, (t_ln, t_enc)
-    # the estimate is each kind of work at its rate, in milliseconds
-    assert t_ln == pytest.approx(1e3 * ln.fwd_mem_bytes / rates.mem_byte_per_s)
-    # a segment of it alone: its forward (nothing after its last saved tensor) and the
+    t_enc, t_ln = block_recompute(enc, "time", GIVEN), block_recompute(ln, "time", GIVEN)
+    assert 0 < t_ln < t_enc / 10, (t_ln, t_enc)
+    # the estimate is each kind of work at its rate, and each op call its fixed cost, in milliseconds
+    assert op_calls(ln) == len(ln.ops) > 0 and op_calls(enc) > 10 * op_calls(ln)
+    assert t_ln == pytest.approx(1e3 * (ln.fwd_mem_bytes / GIVEN.mem_byte_per_s + op_calls(ln) * GIVEN.op_call_s))
+    # a segment of it alone: its forward, less what runs after its last saved tensor, and the
     # fixed cost of one checkpoint region
-    assert recompute_cost(cost, [(2, 2)], "time") == pytest.approx(t_ln + 1e3 * rates.segment_s)
+    with_given = dataclasses.replace(cost, meta={**cost.meta, "rates": GIVEN.to_dict()})
+    assert recompute_cost(with_given, [(2, 2)], "time") == pytest.approx(
+        t_ln - skipped_tail(ln, "time", GIVEN) + 1e3 * GIVEN.segment_s
+    )
 
 
 def test_given_rates_are_used_as_they_are():
@@ -102,7 +117,55 @@ def test_measuring_leaves_the_global_rng_alone():
     before = torch.get_rng_state()
     rates = measure_rates(repeats=1)
     assert torch.equal(torch.get_rng_state(), before)
-    assert rates.flop_per_s > 0
+    assert rates.flop_per_s > 0 and rates.op_call_s >= 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rates_are_measured_in_the_dtypes_asked(dtype):
+    rates = measure_rates(flop_dtype=dtype, mem_dtype=dtype, repeats=1)
+    assert rates.flop_dtype == rates.mem_dtype == str(dtype)
+    assert all(v > 0 and math.isfinite(v) for v in (rates.flop_per_s, rates.mem_byte_per_s, rates.rng_byte_per_s))
+
+
+def test_each_rate_is_the_median_of_interleaved_rounds(monkeypatch):
+    """An injected clock makes one round in three slow for every kernel: the median ignores it,
+    the order rotates (each kernel is timed first in some round)."""
+    order = []
+    kernels = {name: ((lambda name=name: order.append(name)), 1e6) for name in ("flop", "mem", "rng")}
+    ticks = iter(range(10**6))
+    per_call = {"flop": 1e-3, "mem": 2e-3, "rng": 4e-3}
+
+    def clock():  # every call of a kernel lasts its time; the 3rd, 6th, ... timed loop 10x that
+        return next(ticks)
+
+    def timed(fn, sync, clock):
+        before = len(order)
+        fn()
+        name = order[-1]
+        calls = len(order) - before
+        timed.loops += 1
+        slow = 10.0 if timed.loops % 3 == 0 else 1.0
+        return per_call[name] * calls * slow
+
+    timed.loops = 0
+    monkeypatch.setattr(rates_module, "_timed", timed)
+    got = rates_module._interleaved_rates(kernels, lambda: None, clock, repeats=5, min_call_s=0.0)
+    assert got == pytest.approx({name: 1e6 / t for name, t in per_call.items()})
+    timed_order = order[-15:]
+    firsts = {timed_order[3 * r] for r in range(5)}
+    assert firsts == {"flop", "mem", "rng"}
+
+
+def test_one_thread_on_a_cpu_is_timed_by_its_cpu_time():
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert rates_module.step_clock(torch.device("cpu")) is time.thread_time
+        torch.set_num_threads(2)
+        assert rates_module.step_clock(torch.device("cpu")) is time.perf_counter
+    finally:
+        torch.set_num_threads(threads)
+    assert rates_module.step_clock(torch.device("meta")) is time.perf_counter
 
 
 @pytest.mark.parametrize("field", ["flop_per_s", "mem_byte_per_s", "rng_byte_per_s"])
@@ -113,15 +176,14 @@ def test_rates_must_be_positive_and_finite(field, value):
         MachineRates(**kw)
 
 
+@pytest.mark.parametrize("name", ["segment_s", "op_call_s"])
 @pytest.mark.parametrize("value", [-1e-6, math.inf, math.nan])
-def test_segment_overhead_must_be_finite_and_not_negative(value):
-    with pytest.raises(ValueError, match=r"MachineRates: segment_s=.* must be a finite number of seconds >= 0"):
-        MachineRates(flop_per_s=1e9, mem_byte_per_s=1e9, rng_byte_per_s=1e9, segment_s=value)
+def test_fixed_costs_must_be_finite_and_not_negative(name, value):
+    with pytest.raises(ValueError, match=rf"MachineRates: {name}=.* must be a finite number of seconds >= 0"):
+        MachineRates(flop_per_s=1e9, mem_byte_per_s=1e9, rng_byte_per_s=1e9, **{name: value})
 
 
-def test_measured_segment_overhead_is_small_and_positive():
-    """A checkpoint region costs something (entering it, the RNG state, the recompute's
-    start) but far less than a millisecond on this CPU; it is what keeps a segment
-    whose recompute is empty from looking free."""
-    rates = measure_rates()
-    assert 0 < rates.segment_s < 1e-3
+def test_rates_saved_before_the_per_call_cost_still_load():
+    data = GIVEN.to_dict()
+    del data["op_call_s"]
+    assert MachineRates.from_dict(data) == dataclasses.replace(GIVEN, op_call_s=0.0)

@@ -1,4 +1,5 @@
-"""Recompute cost in the `time` metric under sharding: a block's all-gather at the measured rate."""
+"""Recompute cost in the `time` metric: the fixed cost of each recomputed op call, and under sharding
+a block's all-gather at the measured rate."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import json
 
 import pytest
 
-from lightning_ckpt.planning.costs import BlockCost, StepCost
+from lightning_ckpt.planning.costs import BlockCost, OpCost, StepCost
 from lightning_ckpt.planning.machine_rates import MachineRates
 from lightning_ckpt.planning.recompute_cost import (
     block_recompute,
+    op_calls,
     recompute_cost,
     segment_cost,
     skipped_tail,
@@ -76,3 +78,17 @@ def test_json_from_before_the_gather_fields_still_loads():
     old = StepCost.from_dict(data)
     assert old.blocks[0].gather_bytes == 0 and old.rates.gather_byte_per_s is None
     assert old.rates == RATES
+
+
+def test_per_call_cost_counts_the_calls_a_recompute_makes():
+    calls = tuple(OpCost("aten.gelu.default", j, 4, True, True, in_tail=j >= 3, mem_bytes=100) for j in range(5))
+    blk = BlockCost("b", 10, 1, fwd_mem_bytes=500, tail_mem_bytes=200, ops=calls)
+    rates = MachineRates(flop_per_s=1e9, mem_byte_per_s=1e5, rng_byte_per_s=1e5, op_call_s=1e-3)
+    assert op_calls(blk) == 5 and op_calls(blk, tail=True) == 2
+    assert block_recompute(blk, "time", rates) == pytest.approx(5.0 + 5.0)
+    assert skipped_tail(blk, "time", rates) == pytest.approx(2.0 + 2.0)
+    bare = dataclasses.replace(rates, op_call_s=0.0)
+    assert block_recompute(blk, "time", bare) == pytest.approx(5.0)
+    # a block profiled without its calls pays nothing per call
+    assert block_recompute(BlockCost("c", 10, 1, fwd_mem_bytes=500), "time", rates) == pytest.approx(5.0)
+    assert "1000.0 us per op call" in str(rates)

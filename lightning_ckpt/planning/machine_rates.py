@@ -22,6 +22,11 @@ class MachineRates:
         (entering and leaving the checkpoint, saving the RNG state, starting the
         recompute); 0 when not measured. It keeps a segment whose recompute is free
         (a block whose only op runs after its last saved tensor) from looking free.
+    op_call_s: fixed seconds each recomputed op call adds beyond its work (dispatch, autograd
+        recording, the checkpoint's bookkeeping of what it saves), whatever its size; 0 when
+        not measured. Measured on tiny ops (`rates.measure_rates`), or fitted to what
+        recomputing the profiled blocks really cost (`keep_calibration`). On a CPU it is
+        tens of microseconds: for small blocks of many ops, most of the recompute.
     keep_draws_op_s: seconds each op call of a block adds (forward and recompute) when the
         block keeps random draws (op-level plans: the dispatch modes that store and replay them).
     keep_ops_op_s: the same when it keeps other op outputs too (torch's selective checkpoint
@@ -40,6 +45,7 @@ class MachineRates:
     mem_byte_per_s: float
     rng_byte_per_s: float
     segment_s: float = 0.0
+    op_call_s: float = 0.0
     keep_draws_op_s: float = 0.0
     keep_ops_op_s: float = 0.0
     device: str = "cpu"
@@ -55,7 +61,7 @@ class MachineRates:
                     f"MachineRates: {name}={value!r} must be a positive finite rate; measure it with "
                     "lightning_ckpt.profiling.rates.measure_rates() or give a positive number."
                 )
-        for name in ("segment_s", "keep_draws_op_s", "keep_ops_op_s"):
+        for name in ("segment_s", "op_call_s", "keep_draws_op_s", "keep_ops_op_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 <= value < float("inf")):
                 raise ValueError(
@@ -69,9 +75,13 @@ class MachineRates:
                 "the blocks are not sharded; measure it with lightning_ckpt.profiling.gather.measure_gather_rate()."
             )
 
-    def fwd_ms(self, flops: float, mem_bytes: float, rng_bytes: float) -> float:
-        """Estimated milliseconds of work: each kind at its own rate, added."""
-        return 1e3 * (flops / self.flop_per_s + mem_bytes / self.mem_byte_per_s + rng_bytes / self.rng_byte_per_s)
+    def fwd_ms(self, flops: float, mem_bytes: float, rng_bytes: float, op_calls: int = 0) -> float:
+        """Estimated milliseconds of work: each kind at its own rate, added, plus the fixed
+        cost of `op_calls` recomputed op calls (`op_call_s`)."""
+        return 1e3 * (
+            flops / self.flop_per_s + mem_bytes / self.mem_byte_per_s + rng_bytes / self.rng_byte_per_s
+            + op_calls * self.op_call_s
+        )
 
     def gather_ms(self, gather_bytes: float) -> float:
         """Estimated milliseconds to all-gather `gather_bytes` again; 0 without a measured rate."""
@@ -91,5 +101,6 @@ class MachineRates:
         return (
             f"{self.flop_per_s / 1e9:.1f} GFLOP/s ({self.flop_dtype.removeprefix('torch.')}), "
             f"{self.mem_byte_per_s / 1e9:.2f} GB/s memory-bound, {self.rng_byte_per_s / 1e9:.2f} GB/s random "
-            f"({self.mem_dtype.removeprefix('torch.')}){gather}, {1e6 * self.segment_s:.0f} us per segment on {self.device}"
+            f"({self.mem_dtype.removeprefix('torch.')}){gather}, {1e6 * self.segment_s:.0f} us per segment, "
+            f"{1e6 * self.op_call_s:.1f} us per op call on {self.device}"
         )

@@ -7,7 +7,8 @@ forward and its backward, and saves its recompute (`op_value`). Which calls to k
 0/1 knapsack per block (items: the calls, weight: bytes kept, value: recompute
 avoided); `block_options` enumerates its whole Pareto frontier with the exact solver.
 In the `time` metric the values are estimates from counted work, scaled down to what
-keeping was measured to save in the block when the profile measured it (`keep_calibration`).
+keeping was measured to save in the block beyond the measurement's noise when the profile
+measured it (`keep_calibration`): a block whose saving is within that noise has no options.
 
 [constraint] Only calls whose outputs backward saves (or whose random draws the
 recompute would repeat) and that run before the block's last saved tensor are items:
@@ -87,8 +88,9 @@ def block_options(
     nothing kept (`exact_knapsack` at each capacity; weights are whole bytes, so the
     solver is exact and "strictly lighter" is "at most one byte less"). Returned by
     ascending `keep_bytes`, values strictly rising, the empty option excluded (that is
-    plain checkpointing). `max_options` keeps that many, spread evenly over the
-    frontier, always with the heaviest.
+    plain checkpointing), and without the options that holding the whole block beats
+    (`undominated`). `max_options` keeps that many, spread evenly over the frontier,
+    always with the heaviest.
     """
     items = [op for op in option_items(block) if op_value(op, block, metric, rates) > 0]
     points = _frontier(items, block, metric, rates)
@@ -98,15 +100,32 @@ def block_options(
         # alone is a frontier of its own, and a choice is worth it only when its net value is > 0
         points += _frontier([op for op in items if op.rng_bytes], block, metric, rates)
         points = [OpOption(o.keep_bytes, _net_ms(block, o.keys, o.value, rates), o.keys) for o in points]
-    out: list[OpOption] = []
-    for o in sorted(points, key=lambda o: (o.keep_bytes, -o.value)):
-        if o.value > 0 and (not out or o.value > out[-1].value) and (not out or o.keep_bytes > out[-1].keep_bytes):
-            out.append(o)
+    boundary = block.input_bytes - block.input_saved_by_previous_bytes  # held by a one-block segment in any case
+    out = undominated(points, whole_bytes=block.saved_bytes + block.shared_with_previous_bytes - boundary)
     if max_options is not None and len(out) > max_options > 0:
         step = (len(out) - 1) / max(max_options - 1, 1)
         picks = sorted({round(k * step) for k in range(max_options)} | {len(out) - 1})
         out = [out[k] for k in picks]
     return tuple(out)
+
+
+def undominated(points: Sequence[OpOption], whole_bytes: int | None = None) -> list[OpOption]:
+    """The options no other beats or equals, by ascending `keep_bytes`, values strictly rising.
+
+    [dominance] An option is dropped when another holds no more bytes and avoids at least as
+    much recompute, when it avoids nothing (value <= 0: plain checkpointing does as well), and
+    when it holds `whole_bytes` or more: not checkpointing the block at all then holds no more
+    between its forward and its backward (its saved bytes, beyond the input a one-block segment
+    keeps anyway) and recomputes nothing. Ties (equal bytes and value) keep the first by keys.
+    """
+    out: list[OpOption] = []
+    for o in sorted(points, key=lambda o: (o.keep_bytes, -o.value, o.keys)):
+        if o.value <= 0 or (whole_bytes is not None and o.keep_bytes >= whole_bytes):
+            continue
+        if out and (o.value <= out[-1].value or o.keep_bytes <= out[-1].keep_bytes):
+            continue
+        out.append(o)
+    return out
 
 
 def _frontier(items: list[OpCost], block: BlockCost, metric: str, rates: MachineRates | None) -> list[OpOption]:
@@ -146,12 +165,13 @@ def keep_overhead_ms(block: BlockCost, keys: Collection[OpKey], rates: MachineRa
 
 def keep_calibration(block: BlockCost, keys: Collection[OpKey], rates: MachineRates) -> float:
     """The factor in [0, 1] that scales the `time` value of keeping `keys` in `block` to what
-    keeping was measured to save (`BlockCost.keep_saved_ms`, `profiling.keep_calibration`).
+    keeping was measured to save (`BlockCost.keep_saved_ms`, `lightning_ckpt.keep_calibration`).
 
     [constraint] The estimate of keeping every call an option may keep (`option_items`, net of
-    `keep_overhead_ms`) is V, the measured saving S; every option of the block is worth S / V of
-    its estimate, at most all of it (a measurement never raises an estimate), and nothing when
-    S <= 0. Options of random calls only are scaled by the measurement that kept the draws only
+    `keep_overhead_ms`) is V, the measured saving S (what lies beyond the measurement's noise:
+    `keep_calibration.with_block_timings`); every option of the block is worth S / V of its
+    estimate, at most all of it (a measurement never raises an estimate), and nothing when
+    S <= 0: a block whose saving is within the noise is planned as a whole block. Options of random calls only are scaled by the measurement that kept the draws only
     (`keep_draws_saved_ms`) against their own V. 1 when the block was not measured."""
     items = option_items(block)
     measured = block.keep_saved_ms

@@ -3,9 +3,9 @@
 flops: FLOPs counted by torch (deterministic; ops without FLOPs, like layer norm,
 count 0). ms: each block's forward timed once when profiling (noisy). time:
 estimated milliseconds, the block's FLOPs, memory-bound bytes and random bytes each
-at the machine rate measured with the profile (`MachineRates`), plus, under sharded
-training, the parameter bytes its recompute all-gathers again at the measured
-all-gather rate. Every checkpointed block is rebuilt once; a segment's last block
+at the machine rate measured with the profile (`MachineRates`) and a fixed cost per
+op call it recomputes (`MachineRates.op_call_s`), plus, under sharded training, the
+parameter bytes its recompute all-gathers again at the measured all-gather rate. Every checkpointed block is rebuilt once; a segment's last block
 skips its ops after its last saved tensor (torch's early stop), never its gather (it
 comes first); a segment adds a fixed, measured overhead in `time`.
 """
@@ -48,18 +48,26 @@ def block_recompute(block, metric: str = "flops", rates: MachineRates | None = N
     if metric == "ms":
         return block.fwd_ms
     rates = _need_rates(rates, metric)
-    return rates.fwd_ms(block.fwd_flops, block.fwd_mem_bytes, block.fwd_rng_bytes) + rates.gather_ms(block.gather_bytes)
+    work = rates.fwd_ms(block.fwd_flops, block.fwd_mem_bytes, block.fwd_rng_bytes, op_calls(block))
+    return work + rates.gather_ms(block.gather_bytes)
+
+
+def op_calls(block, tail: bool = False) -> int:
+    """How many op calls `block`'s forward makes (`BlockCost.ops`; 0 when not profiled per op),
+    or with `tail` how many of them run after its last saved tensor."""
+    return sum(1 for op in block.ops if op.in_tail) if tail else len(block.ops)
 
 
 def skipped_tail(block, metric: str = "flops", rates: MachineRates | None = None) -> float:
     """What torch's early stop skips when `block` ends a segment: the ops after its
     last saved tensor (`tail_flops`; measured times scaled by the same fraction;
-    estimated times from the tail's own FLOPs and bytes)."""
+    estimated times from the tail's own FLOPs, bytes and op calls)."""
     if metric == "flops":
         return block.tail_flops
     if metric == "ms":
         return block.fwd_ms * (block.tail_flops / block.fwd_flops) if block.fwd_flops else 0.0
-    return _need_rates(rates, metric).fwd_ms(block.tail_flops, block.tail_mem_bytes, block.tail_rng_bytes)
+    rates = _need_rates(rates, metric)
+    return rates.fwd_ms(block.tail_flops, block.tail_mem_bytes, block.tail_rng_bytes, op_calls(block, tail=True))
 
 
 def _need_rates(rates: MachineRates | None, metric: str) -> MachineRates:

@@ -237,11 +237,9 @@ def profile_model(
         check = probe_step(model, blocks, step_fn, slice_batch(batch, size), names, timing=False)
         fitted = refit_without_smallest(Profile(probes=probes, check=check))  # type: ignore[arg-type]
     probes, check = fitted.probes, fitted.check
-    if timing and calibrate_keeps:
-        from lightning_ckpt.keep_calibration import calibrated_profile
-
-        calibrated = calibrated_profile(Profile(probes, check), model, blocks, step_fn, batch)  # type: ignore[arg-type]
-        probes, check = calibrated.probes, calibrated.check
+    if timing:  # check slices promoted by the refit were profiled untimed: timed now
+        probes = tuple(p if p.batch_size in probe_batch_sizes else _timed(model, blocks, step_fn, batch, p) for p in probes)
+    given = rates is not None
     if rates is None and timing:
         from lightning_ckpt.profiling.rates import measure_rates
 
@@ -249,8 +247,20 @@ def profile_model(
     if rates is not None:
         probes = tuple(_with_rates(p, rates) for p in probes)
         check = None if check is None else _with_rates(check, rates)
+    if timing and calibrate_keeps:  # after the rates: the calibration fits them to measured recompute
+        from lightning_ckpt.keep_calibration import calibrated_profile
+
+        calibrated = calibrated_profile(Profile(probes, check), model, blocks, step_fn, batch, fit_rates=not given)  # type: ignore[arg-type]
+        probes, check = calibrated.probes, calibrated.check
     return Profile(probes=probes, check=check)  # type: ignore[arg-type]
 
+
+
+def _timed(model: nn.Module, blocks: Sequence[nn.Module], step_fn: StepFn, batch: Any, probe: StepCost) -> StepCost:
+    """`probe` (profiled untimed, as a check slice is) with its blocks' forward times measured."""
+    with preserved_state(model):
+        fwd_ms = _time_blocks(model, blocks, step_fn, slice_batch(batch, probe.batch_size))
+    return dataclasses.replace(probe, blocks=tuple(dataclasses.replace(b, fwd_ms=t) for b, t in zip(probe.blocks, fwd_ms)))
 
 
 def _with_rates(cost: StepCost, rates: MachineRates) -> StepCost:

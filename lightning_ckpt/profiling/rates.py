@@ -1,17 +1,23 @@
 """Measure how fast this device does FLOPs, memory-bound bytes and random bytes.
 
-Three microbenchmarks on the profiled device and dtype, each a few milliseconds on
-a CPU: a square matmul (FLOPs per second), a fixed mix of memory-bound ops (bytes
-written per second, counted by the same rule as the profile: `op_bytes`), and
-dropout's `bernoulli_` (random bytes per second). Each size grows until one call
-takes `min_call_s`; the rate is that of the fastest of `repeats` timed calls after a
-warm-up (other processes only ever add time: on a shared 2-core machine the fastest
-call varied 2-7 % across runs for matmul and up to 20 % for the mix, the median up to 2x).
+Microbenchmarks on the profiled device and dtypes (bf16 as well as fp32), each a few
+milliseconds on a CPU: a square matmul (FLOPs per second), a fixed mix of memory-bound
+ops (bytes written per second, counted by the same rule as the profile: `op_bytes`),
+dropout's `bernoulli_` (random bytes per second), and the fixed costs of checkpointing:
+one region (`segment_s`) and each op call recomputed (`op_call_s`, on a block of tiny ops).
+Sizes are fixed per device type, never chosen by a timing; each kernel is warmed up until
+its calls settle; the three rates are timed in interleaved rounds and each is the median,
+on this thread's CPU time where torch runs on one CPU thread (`step_clock`). On the shared
+2-core CPU here, the fastest of 7 calls after one warm-up call (sizes chosen by one timed
+call) read 2.3 GB/s memory-bound in a process's first measurement and 10.3-10.9 in the next
+ones; on the wall clock, with three other processes on the cores, matmul read 39-101 GFLOP/s.
+This way, in the same load: 97-101 GFLOP/s and 8.9-10.4 GB/s (bf16: 360-383, 4.8-5.3).
 Global RNG and autocast are left alone. Used by `profiler.profile_model`.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 
@@ -22,77 +28,108 @@ from torch.utils.flop_counter import FlopCounterMode
 from lightning_ckpt.planning.machine_rates import MachineRates
 from lightning_ckpt.profiling.op_bytes import OpBytesCounter
 
-__all__ = ["measure_rates"]
+__all__ = ["TinyOpsBlock", "count_op_calls", "interleaved_medians", "measure_rates", "step_clock"]
 
-_MATMUL_SIZES = (256, 512, 1024, 2048, 4096)
-# From 2**18 elements (1 MiB in fp32): on the shared 2-core CPU here, 4 MiB tensors
-# (past the core's L2) gave rates that moved up to 2x between runs with the load of
-# neighbouring processes; 1 MiB ones moved 5 %. Bigger sizes are for GPUs, where one
-# call must be long enough to hide the kernel launch.
-_ELEMENT_COUNTS = (2**18, 2**20, 2**22, 2**24)
+# (matmul side, elements of the memory-bound and random tensors) per device type. On a CPU,
+# 2**18 elements (1 MiB in fp32) stay near the core's L2 like a block's activations at small
+# widths; 4 MiB ones moved up to 2x between runs with the neighbours' load. GPUs need larger
+# calls to hide the kernel launch.
+_SIZES = {"cpu": (512, 2**18), "default": (4096, 2**24)}
 _ROW = 256  # softmax and layer norm reduce over rows of this many elements
+_WARM_CALLS = (3, 20)  # at least / at most this many untimed calls before timing one kernel
 
 
 def measure_rates(
     device: str | torch.device = "cpu",
     flop_dtype: str | torch.dtype = torch.float32,
     mem_dtype: str | torch.dtype = torch.float32,
-    repeats: int = 7,
+    repeats: int = 9,
     min_call_s: float = 5e-4,
 ) -> MachineRates:
-    """`MachineRates` of `device`: matmul FLOPs/s in `flop_dtype`, bytes/s in `mem_dtype`.
-
-    About 40 ms on one CPU thread; the very first call of a process takes up to a second
-    more while torch sets up its kernels (after a profile's probes it is warm).
-    """
+    """`MachineRates` of `device`: matmul FLOPs/s in `flop_dtype`, bytes/s in `mem_dtype`,
+    the median of `repeats` interleaved rounds; each timed call loops a kernel until it
+    takes `min_call_s`. About a second on one CPU thread."""
     if repeats < 1:
-        raise ValueError(f"repeats={repeats} must be at least 1; the rate is that of the fastest of that many timed calls.")
+        raise ValueError(f"repeats={repeats} must be at least 1; each rate is the median of that many timed rounds.")
     device = torch.device(device)
     flop_dtype, mem_dtype = _dtype(flop_dtype), _dtype(mem_dtype)
     sync = _synchronizer(device)
+    clock = step_clock(device)
+    side, elements = _SIZES.get(device.type, _SIZES["default"])
     gen = torch.Generator(device=device).manual_seed(0)  # the global RNG stays untouched
     with torch.no_grad(), torch.autocast(device.type, enabled=False):
+        a = torch.randn(side, side, device=device, generator=gen).to(flop_dtype)
+        b = torch.randn(side, side, device=device, generator=gen).to(flop_dtype)
+        x = torch.randn(elements // _ROW, _ROW, device=device, generator=gen).to(mem_dtype)
+        y = torch.randn(elements // _ROW, _ROW, device=device, generator=gen).to(mem_dtype)
+        z = torch.empty(elements, device=device, dtype=mem_dtype)
 
-        def matmul(n: int):
-            a = torch.randn(n, n, device=device, generator=gen).to(flop_dtype)
-            b = torch.randn(n, n, device=device, generator=gen).to(flop_dtype)
-            return (lambda: torch.mm(a, b)), 2.0 * n**3
+        def mix() -> None:
+            F.layer_norm(F.gelu(x) * y + x, (_ROW,)).softmax(dim=-1)
 
-        def memory(n: int):
-            x = torch.randn(n // _ROW, _ROW, device=device, generator=gen).to(mem_dtype)
-            y = torch.randn(n // _ROW, _ROW, device=device, generator=gen).to(mem_dtype)
-
-            def mix():
-                F.layer_norm(F.gelu(x) * y + x, (_ROW,)).softmax(dim=-1)
-
-            return mix, float(_count_written(mix)[0])
-
-        def random(n: int):
-            x = torch.empty(n, device=device, dtype=mem_dtype)
-            return (lambda: x.bernoulli_(0.9, generator=gen)), float(n * x.element_size())
-
-        flop_per_s = _rate(matmul, _MATMUL_SIZES, sync, repeats, min_call_s)
-        mem_byte_per_s = _rate(memory, _ELEMENT_COUNTS, sync, repeats, min_call_s)
-        rng_byte_per_s = _rate(random, _ELEMENT_COUNTS, sync, repeats, min_call_s)
-    segment_s = _segment_overhead_s(device, sync, repeats)
-    keep_draws_op_s, keep_ops_op_s = _keep_overhead_s(device, sync, repeats)
+        kernels = {
+            "flop": (lambda: torch.mm(a, b), 2.0 * side**3),
+            "mem": (mix, float(_count_written(mix)[0])),
+            "rng": (lambda: z.bernoulli_(0.9, generator=gen), float(z.numel() * z.element_size())),
+        }
+        rates = _interleaved_rates(kernels, sync, clock, repeats, min_call_s)
+    segment_s = _segment_overhead_s(device, sync, clock, repeats)
+    op_call_s = _op_call_overhead_s(device, sync, clock, repeats, segment_s)
     return MachineRates(
-        flop_per_s=flop_per_s,
-        mem_byte_per_s=mem_byte_per_s,
-        rng_byte_per_s=rng_byte_per_s,
+        flop_per_s=rates["flop"],
+        mem_byte_per_s=rates["mem"],
+        rng_byte_per_s=rates["rng"],
         segment_s=segment_s,
-        keep_draws_op_s=keep_draws_op_s,
-        keep_ops_op_s=keep_ops_op_s,
+        op_call_s=op_call_s,
         device=str(device),
         flop_dtype=str(flop_dtype),
         mem_dtype=str(mem_dtype),
     )
 
 
-def _segment_overhead_s(device: torch.device, sync: Callable[[], None], repeats: int, calls: int = 20) -> float:
+def _interleaved_rates(
+    kernels: dict[str, tuple[Callable[[], object], float]],
+    sync: Callable[[], None],
+    clock: Callable[[], float],
+    repeats: int,
+    min_call_s: float,
+) -> dict[str, float]:
+    """Work per second of each kernel: warmed up until its calls settle, then `repeats` rounds
+    that time every kernel once (a loop of calls lasting `min_call_s`), in a rotating order;
+    the median over rounds (a slow moment hits each kernel in turn, not one of them)."""
+    loops = {}
+    for name, (fn, _) in kernels.items():
+        per_call = _settle(fn, sync, clock)
+        loops[name] = max(1, int(min_call_s / max(per_call, 1e-9)) + 1)
+    times: dict[str, list[float]] = {name: [] for name in kernels}
+    names = list(kernels)
+    for r in range(repeats):
+        for k in range(len(names)):
+            name = names[(r + k) % len(names)]
+            fn, n = kernels[name][0], loops[name]
+            times[name].append(_timed(lambda: [fn() for _ in range(n)], sync, clock) / n)
+    return {name: kernels[name][1] / max(statistics.median(times[name]), 1e-12) for name in names}
+
+
+def _settle(fn: Callable[[], object], sync: Callable[[], None], clock: Callable[[], float]) -> float:
+    """Call `fn` until two calls in a row agree within 10 % (at least, at most `_WARM_CALLS`);
+    the first calls of a process pay kernel setup and fresh pages. Returns the last call's time."""
+    least, most = _WARM_CALLS
+    last = _timed(fn, sync, clock)
+    for k in range(1, most):
+        now = _timed(fn, sync, clock)
+        if k + 1 >= least and abs(now - last) <= 0.1 * max(now, last):
+            return now
+        last = now
+    return last
+
+
+def _segment_overhead_s(
+    device: torch.device, sync: Callable[[], None], clock: Callable[[], float], repeats: int, calls: int = 20
+) -> float:
     """Seconds one non-reentrant checkpoint region adds to a forward + backward, whatever
-    it holds: a tiny op's step with and without `torch.utils.checkpoint`, fastest of
-    `repeats` loops of `calls` each, the difference (at least 0)."""
+    it holds: a tiny op's step with and without `torch.utils.checkpoint`, the median of
+    `repeats` interleaved rounds of `calls` each, the difference (at least 0)."""
     from torch.utils.checkpoint import checkpoint
 
     x = torch.ones(8, device=device, requires_grad=True)
@@ -106,29 +143,18 @@ def _segment_overhead_s(device: torch.device, sync: Callable[[], None], repeats:
     def checkpointed() -> None:
         checkpoint(op, x, use_reentrant=False).sum().backward()
 
-    def loop(fn: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:
-            for _ in range(calls):
-                fn()
-
-        return run
-
     with torch.enable_grad(), torch.autocast(device.type, enabled=False):
-        times = {}
-        for name, fn in (("plain", loop(plain)), ("checkpointed", loop(checkpointed))):
-            fn()  # warm-up
-            sync()
-            times[name] = min(_timed(fn, sync) for _ in range(repeats)) / calls
-    return max(0.0, times["checkpointed"] - times["plain"])
+        t = interleaved_medians({"plain": plain, "checkpointed": checkpointed}, sync, clock, repeats, calls)
+    return max(0.0, t["checkpointed"] - t["plain"])
 
 
-class _TinyBlock(torch.nn.Module):
+class TinyOpsBlock(torch.nn.Module):
     """Many cheap op calls on 8 elements (the kinds and argument lists of real blocks:
     linear, batch norm, layer norm, activations, views), one dropout-like draw and one
-    matmul: what the dispatch modes of an op-level plan cost per op call, apart from the
-    work itself."""
+    matmul: what checkpointing and the dispatch modes of an op-level plan cost per op
+    call, apart from the work itself."""
 
-    def __init__(self, device: torch.device, n_layers: int) -> None:
+    def __init__(self, device: torch.device, n_layers: int = 6) -> None:
         super().__init__()
         self.w = torch.nn.Parameter(torch.ones(4, 4, device=device))
         self.lin = torch.nn.Linear(4, 4, device=device)
@@ -142,72 +168,96 @@ class _TinyBlock(torch.nn.Module):
         return y * torch.empty_like(y).bernoulli_(0.5)
 
 
-def _keep_overhead_s(device: torch.device, sync: Callable[[], None], repeats: int, calls: int = 10) -> tuple[float, float]:
-    """(keep_draws_op_s, keep_ops_op_s): seconds per op call that an op-level block adds to a
-    forward + backward over the same block checkpointed whole, keeping its draw only, or its
-    draw and its matmul (torch's selective checkpoint modes too); fastest of `repeats` loops."""
-    from lightning_ckpt.apply import apply_segments
+def count_op_calls(fn: Callable[[], object]) -> int:
+    """How many op calls `fn` makes that selective checkpointing numbers (`op_keys.OpCallCounter`)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     from lightning_ckpt.profiling.op_keys import OpCallCounter
 
-    x = torch.ones(8, device=device, requires_grad=True)
-    counter, seen = OpCallCounter(), []
+    counter, seen = OpCallCounter(), [0]
 
-    class _Count(torch.utils._python_dispatch.TorchDispatchMode):
+    class _Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            key = counter.key(func)
-            if key is not None:
-                seen.append(key)
+            if counter.key(func) is not None:
+                seen[0] += 1
             return func(*args, **(kwargs or {}))
 
-    draw, mm = ("aten.bernoulli_.float", 0), ("aten.mm.default", 0)
-    keeps = {"whole": {}, "draws": {0: {draw}}, "ops": {0: {draw, mm}}}
-    times = {}
-    # the block draws from the device's default generator: put it (and the CPU's) back
-    state = torch.get_rng_state()
-    cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    try:
-        block = _TinyBlock(device, 6)  # its initialisation draws too
-        with torch.no_grad(), _Count():
-            block(x)
+    with _Count():
+        fn()
+    return seen[0]
+
+
+def _op_call_overhead_s(
+    device: torch.device,
+    sync: Callable[[], None],
+    clock: Callable[[], float],
+    repeats: int,
+    segment_s: float,
+    calls: int = 10,
+) -> float:
+    """Seconds each op call adds to a forward + backward when it is recomputed, apart from
+    its work: `TinyOpsBlock` checkpointed whole against not, less one region (`segment_s`),
+    per op call of its forward; at least 0."""
+    from torch.utils.checkpoint import checkpoint
+
+    x = torch.ones(8, device=device, requires_grad=True)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # its draws leave no trace
+        block = TinyOpsBlock(device)
+        with torch.no_grad():
+            n = max(count_op_calls(lambda: block(x)), 1)
+
+        def plain() -> None:
+            block(x).sum().backward()
+
+        def checkpointed() -> None:
+            checkpoint(block, x, use_reentrant=False).sum().backward()
+
         with torch.enable_grad(), torch.autocast(device.type, enabled=False):
-            for name, keep in keeps.items():
-                handle = apply_segments([block], [(0, 0)], keep_ops=keep)
-                try:
-                    def run() -> None:
-                        for _ in range(calls):
-                            block(x).sum().backward()
-
-                    run()  # warm-up
-                    sync()
-                    times[name] = min(_timed(run, sync) for _ in range(repeats)) / calls
-                finally:
-                    handle.remove()
-    finally:
-        torch.set_rng_state(state)
-        if cuda_state is not None:
-            torch.cuda.set_rng_state(cuda_state, device)
-    n = max(len(seen), 1)
-    return max(0.0, times["draws"] - times["whole"]) / n, max(0.0, times["ops"] - times["whole"]) / n
+            t = interleaved_medians({"plain": plain, "checkpointed": checkpointed}, sync, clock, repeats, calls)
+    return max(0.0, t["checkpointed"] - t["plain"] - segment_s) / n
 
 
-def _rate(make: Callable, sizes, sync: Callable[[], None], repeats: int, min_call_s: float) -> float:
-    """Work per second of the first size whose call takes `min_call_s` (or the largest)."""
-    for size in sizes:
-        fn, work = make(size)
-        fn()  # warm-up: kernels chosen, allocator settled
-        sync()
-        t = _timed(fn, sync)
-        if t >= min_call_s or size == sizes[-1]:
-            best = min(_timed(fn, sync) for _ in range(repeats))
-            return work / max(best, 1e-9)
-    raise AssertionError("unreachable")
+def interleaved_medians(
+    fns: dict[str, Callable[[], None]], sync: Callable[[], None], clock: Callable[[], float], repeats: int, calls: int
+) -> dict[str, float]:
+    """Seconds per call of each of `fns`: each warmed up, then `repeats` rounds that run every
+    one `calls` times, in a rotating order; the median over rounds of each."""
+    names = list(fns)
+
+    def loop(fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(calls):
+                fn()
+
+        return run
+
+    runs = {name: loop(fn) for name, fn in fns.items()}
+    for run in runs.values():
+        run()  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for k in range(len(names)):
+            name = names[(r + k) % len(names)]
+            times[name].append(_timed(runs[name], sync, clock) / calls)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
-def _timed(fn: Callable[[], object], sync: Callable[[], None]) -> float:
-    t0 = time.perf_counter()
+def step_clock(device: torch.device) -> Callable[[], float]:
+    """The clock that times work on `device`: on a CPU running torch on one thread, this
+    thread's CPU time (time another process holds the core is not the work's: on the shared
+    2-core machine here the wall clock made rates swing with the neighbours' load), else
+    the wall clock."""
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
+
+
+def _timed(fn: Callable[[], object], sync: Callable[[], None], clock: Callable[[], float]) -> float:
+    sync()
+    t0 = clock()
     fn()
     sync()
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
 def _count_written(fn: Callable[[], object]) -> tuple[int, int]:
