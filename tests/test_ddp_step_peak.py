@@ -56,7 +56,9 @@ class FitTracker(pl.Callback):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_ddp_prediction_counts_the_buckets_from_the_first_step(tmp_path):
+def test_ddp_prediction_counts_the_buckets_from_the_first_step(tmp_path, monkeypatch):
+    for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "RANK"):
+        monkeypatch.delenv(name, raising=False)  # ddp_spawn sets them in this process: undone after the test
     pl.seed_everything(0, verbose=False)
     ckpt = ActivationCheckpointing(target_batch_size=16, memory_budget="8MiB", cost_metric="flops", verbose=False,
                                    report=False)

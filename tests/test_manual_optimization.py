@@ -30,8 +30,8 @@ def _fit(model, callbacks, max_steps=3, data=None):
     return trainer
 
 
-def _callback(budget):
-    return ActivationCheckpointing(target_batch_size=8, memory_budget=budget, verbose=False, report=False)
+def _callback(budget, blocks=None):
+    return ActivationCheckpointing(target_batch_size=8, memory_budget=budget, blocks=blocks, verbose=False, report=False)
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +71,16 @@ def test_manual_steps_bit_identical_to_no_callback(budget, kwargs):
 
 
 @pytest.mark.parametrize(
-    ("passes", "match"),
+    ("passes", "blocks", "match"),
     [
-        ("forwards", r"^training_step runs block 'net\.blocks\.0' more than once per step \(several forward/backward "
-                     r"passes, as GANs do\); lightning-ckpt plans one forward and one backward through the blocks"),
-        ("backwards", r"^training_step calls manual_backward 2 times per step \(several forward/backward passes"),
+        ("forwards", "net.blocks", r"^training_step runs block 'net\.blocks\.0' more than once per step \(several "
+                                   r"forward/backward passes, as GANs do\); lightning-ckpt plans one forward and one backward"),
+        # blocks=None: the chain is found by running the step first, which the two backward calls stop
+        ("forwards", None, r"^training_step calls manual_backward 2 times per step \(several forward/backward passes"),
+        ("backwards", None, r"^training_step calls manual_backward 2 times per step \(several forward/backward passes"),
     ],
 )
-def test_several_passes_refused_before_any_step_with_state_as_before_fit(budget, passes, match):
+def test_several_passes_refused_before_any_step_with_state_as_before_fit(budget, passes, blocks, match):
     data = SeededTokenData(batch_size=8)
     pl.seed_everything(0, verbose=False)
     model = with_optimizer_state(LitTwoPasses(passes=passes), data.ds[:8])
@@ -86,7 +88,7 @@ def test_several_passes_refused_before_any_step_with_state_as_before_fit(budget,
     # Lightning sets gradients to None at fit start: they are put back, so the step sees them as before fit
     state = FirstBatchState(grads={n: p.grad for n, p in model.named_parameters()})
     with pytest.raises(ValueError, match=match) as err:
-        _fit(model, [state, _callback(budget)], data=data)
+        _fit(model, [state, _callback(budget, blocks)], data=data)
     assert "blocks=[...]" in str(err.value) and "checkpoint by hand" in str(err.value)
     assert model.losses == []  # refused at the first batch: no step ran
     assert_same_state(before, training_state(model))

@@ -73,6 +73,10 @@ def _is_container(module: nn.Module) -> bool:
     return isinstance(module, nn.Sequential) and len(children) >= 2 and len({type(c) for c in children}) == 1
 
 
+def _no_backward(_: Any) -> None:
+    raise RuntimeError("discover_chain runs a forward only; its graph has no saved tensors to run backward on")
+
+
 class _Recorder:
     """Module hooks and a saved-tensor hook over one forward: calls, first-call order, and the
     unique saved storages charged to the innermost running module (and so to its ancestors)."""
@@ -101,7 +105,9 @@ class _Recorder:
             self.seen.add(key)
             owner = self.stack[-1] if self.stack else None
             self.own[owner] = self.own.get(owner, 0) + storage_bytes(t)
-        return t
+        # nothing is kept: no backward runs, and a node holding its own output as a Python object
+        # (what returning `t` stores) is a cycle through the autograd graph that is never freed
+        return None
 
 
 def discover_chain(
@@ -118,7 +124,7 @@ def discover_chain(
         handles.append(m.register_forward_pre_hook(rec.pre))
         handles.append(m.register_forward_hook(rec.post, always_call=True))
     try:
-        with preserved_state(model), torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
+        with preserved_state(model), torch.autograd.graph.saved_tensors_hooks(rec.pack, _no_backward):
             step_fn(small)
     finally:
         for h in handles:

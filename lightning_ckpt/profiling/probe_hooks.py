@@ -266,9 +266,11 @@ class Probe:
                 late[k] += nbytes
         busy = {led.born_in[s] for s in range(len(led.nbytes)) if led.born_forward[s]}
         busy |= {r for regions in led.saved_in for r in regions}
-        for k in range(1, n):
-            if gap_region(k) in busy:
-                self.chains[k] = False
+        # a sharded block's parameters are gathered by the strategy's own pre-forward hook, which runs
+        # before the probe's: that is not a module between the blocks, and such blocks chain as before
+        gapped = [k for k in range(1, n) if gap_region(k) in busy and not _gathers_params(self.blocks[k])]
+        for k in gapped:
+            self.chains[k] = False
         grads = {led.serial(storage_key(p.grad)) for p in model.parameters() if p.grad is not None} - {None}
         marks = Marks(self.entry_tick, self.exit_tick, self.grad_tick, forward_end, backward_end)
         terms = carried_terms(led, marks, self.chains, grads, self.output_serial, self.grad_serial)
@@ -293,9 +295,8 @@ class Probe:
                 self.output_bytes[i] = self.output_saved[i] = 0
             ckpt_peaks[i] = max(0, ckpt_peaks[i] - terms.born[i])
         gaps = [0] * n
-        for k in range(1, n):
-            if gap_region(k) in busy:
-                gaps[k] = self.gap_peak[k] + self.output_bytes[k - 1] + terms.at_exit[k - 1]
+        for k in gapped:
+            gaps[k] = self.gap_peak[k] + self.output_bytes[k - 1] + terms.at_exit[k - 1]
         return terms, gaps, late
 
     def hold_in_head(self, carried: frozenset, forward_end: int) -> None:
@@ -326,3 +327,11 @@ class Probe:
 
 def _minus(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
     return a[0] - b[0], a[1] - b[1]
+
+
+def _gathers_params(block: nn.Module) -> bool:
+    """Whether a strategy gathers `block`'s parameters in a pre-forward hook of its own: FSDP2's
+    `fully_shard` or DeepSpeed ZeRO-3 (its parameters carry `ds_id`)."""
+    if type(block).__name__.startswith("FSDP") or hasattr(block, "_get_fsdp_state"):
+        return True
+    return any(hasattr(p, "ds_id") for p in block.parameters(recurse=True))
