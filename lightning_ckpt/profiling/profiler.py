@@ -203,7 +203,7 @@ def profile_model(
     twice the check size checks it when the batch is that large (`Profile.fit_note` says so).
 
     With `timing`, blocks are timed and the machine's rates measured on the device
-    and dtypes that did most of the probed work (`rates.measure_rates`, ~40 ms on a CPU);
+    and dtypes that did most of the probed work (`rates.measure_rates`, 0.3-1.3 s on one CPU thread);
     `rates` given are used as they are. Either way they land in `meta["rates"]` of
     every probe, which the `time` cost metric needs. With `timing` and `calibrate_keeps`, each
     distinct block with op calls to keep is also timed alone on the whole `batch`, keeping them
