@@ -87,6 +87,7 @@ class _Recorder:
         self.own: dict[nn.Module | None, int] = {}
         self.stack: list[nn.Module] = []
         self.seen: set = set(skip_keys)
+        self.held: list = []  # the saved storages, alive while the forward runs
         self.skip_ids = {id(p) for p in model.parameters()}
 
     def pre(self, module, args) -> None:
@@ -105,8 +106,10 @@ class _Recorder:
             self.seen.add(key)
             owner = self.stack[-1] if self.stack else None
             self.own[owner] = self.own.get(owner, 0) + storage_bytes(t)
-        # nothing is kept: no backward runs, and a node holding its own output as a Python object
-        # (what returning `t` stores) is a cycle through the autograd graph that is never freed
+        # the storage is held until the recorder goes (so that its address is not reused and counted
+        # as seen), the tensor is not: a node holding its own output as a Python object (what returning
+        # `t` stores) is a cycle through the autograd graph that is never freed; no backward runs
+        self.held.append(t.untyped_storage())
         return None
 
 
