@@ -17,11 +17,18 @@ library's functions from here (nothing in the library is timed for this):
   calibration  `keep_calibration.calibrated_profile` (op-level plans in `time` only)
   planning     `policies.make_plan` and `target_plan.plan_for_*` outside the report
   applying     `apply_plan` (the hooks or the compiled regions)
-  report       `report.write_report` (JSON and trade-off PNG, all planning inside it included)
+  report       `report.write_report` (the JSON; the trade-off PNG, its curves planned and drawn, is made
+               on a thread of its own while training goes on: its cost shows only as the training
+               thread's share of the interpreter lost to it, in "other")
   other        the rest of the first batch above one steady step: what a first step costs more
                than a steady one anyway (optimizer state created, fresh pages; `--baseline` runs
                each model without the callback to show it), Lightning's hooks, the static memory,
                the profile's fit, logging
+
+Each callback run is done twice: "first run" with an empty folder of kept timings
+(`profiling.measured_cache`), so it measures the machine's rates and any calibration as a first
+run on a machine does, and "timings kept" reading the folder one untimed run filled, as every
+later run on the machine does (`--timings first|kept|both`).
 
 "first batch" is the wall time from the first training batch's start hook (before the callback's)
 to its end hook (after the callback's); "steady" the median of the batches after the second;
@@ -192,13 +199,20 @@ def worker(model: str, steps: int, tune_allocator: str, report: bool, callback: 
     }
 
 
-def _run(model: str, steps: int, tune_allocator: str, report: bool, callback: bool = True) -> dict:
+def _run(model: str, steps: int, tune_allocator: str, report: bool, callback: bool = True, kept_in: str | None = None) -> dict:
+    """One fresh process. `kept_in`: the folder of kept timings it reads (None: a new empty one, so
+    it measures the rates and the calibration as a first run on a machine does)."""
     cmd = [sys.executable, __file__, "--worker", json.dumps([model, steps, tune_allocator, report, callback])]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env, cwd=ROOT)
+    with tempfile.TemporaryDirectory(prefix="lckpt-startup-timings-") as empty:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "LIGHTNING_CKPT_CACHE_DIR": kept_in or empty}
+        env.pop("LIGHTNING_CKPT_REMEASURE", None)
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env, cwd=ROOT)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-4000:])
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    if callback:
+        result["model"] += ", timings kept" if kept_in else ", first run"
+    return result
 
 
 def _row(r: dict) -> str:
@@ -224,6 +238,11 @@ def main() -> int:
     ap.add_argument("--tune-allocator", choices=["default", "true", "false"], default="false")
     ap.add_argument("--report", choices=["true", "false"], default="true")
     ap.add_argument("--baseline", action="store_true", help="also run each model without the callback: its first batch")
+    ap.add_argument(
+        "--timings", choices=["first", "kept", "both"], default="both",
+        help="first: every run measures the rates (and calibration) in an empty folder of kept timings, as a "
+        "first run on a machine does; kept: they are read from a folder one untimed run filled, as later runs do",
+    )
     ap.add_argument("--json", help="also write every run's figures to this file")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -234,12 +253,20 @@ def main() -> int:
 
     runs: list[dict] = []
     started = time.time()
+    report = args.report == "true"
+    kept = tempfile.mkdtemp(prefix="lckpt-startup-kept-")
+    if args.timings != "first":
+        for model in args.models:  # untimed: fills the folder the "timings kept" runs read
+            _run(model, args.steps or DEFAULT_STEPS[model], args.tune_allocator, report, kept_in=kept)
     for _ in range(args.rounds):
         for model in args.models:
             steps = args.steps or DEFAULT_STEPS[model]
-            runs.append(_run(model, steps, args.tune_allocator, args.report == "true"))
+            if args.timings != "kept":
+                runs.append(_run(model, steps, args.tune_allocator, report))
+            if args.timings != "first":
+                runs.append(_run(model, steps, args.tune_allocator, report, kept_in=kept))
             if args.baseline:
-                runs.append(_run(model, steps, args.tune_allocator, args.report == "true", callback=False))
+                runs.append(_run(model, steps, args.tune_allocator, report, callback=False))
     print(
         f"lightning-ckpt startup benchmark: torch {torch.__version__}, OMP_NUM_THREADS=1, {os.cpu_count()} cores, "
         f"load average {os.getloadavg()[0]:.1f} at the end; tune_allocator={args.tune_allocator}, report={args.report}; "

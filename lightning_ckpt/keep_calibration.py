@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import statistics
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -34,6 +35,7 @@ from lightning_ckpt.planning.machine_rates import MachineRates
 from lightning_ckpt.planning.op_options import block_options, option_items
 from lightning_ckpt.planning.timing_fit import BlockTiming, fit_keep_ops_op_s, fit_op_call_s, with_block_timings
 from lightning_ckpt.profiling.batch import batch_size_of, first_tensor
+from lightning_ckpt.profiling.measured_cache import kept, machine_key
 from lightning_ckpt.profiling.rates import TinyOpsBlock, count_op_calls, step_clock
 from lightning_ckpt.profiling.state import preserved_state
 
@@ -59,6 +61,7 @@ MIN_ROUNDS = 5
 MAX_ROUNDS = 12
 # A saving counts as measured only beyond this many standard errors of its median.
 NOISE_SE = 2.0
+_VERSION = 1  # of what is measured here: calibrations kept by another version are measured again
 
 
 @dataclass(frozen=True)
@@ -343,6 +346,31 @@ def measure_keep_overheads(device: torch.device, repeats: int = 7, calls: int = 
     return max(0.0, t["draws"] - t["whole"]) / n, max(0.0, t["ops"] - t["whole"]) / n
 
 
+def _calibration_key(
+    cost: StepCost, model: nn.Module, blocks: Sequence[nn.Module], rates: MachineRates | None, min_rounds: int, max_rounds: int
+) -> dict[str, Any] | None:
+    """What the calibration of `cost`'s blocks depends on (None for sharded blocks: never kept)."""
+    if _sharded(blocks):
+        return None
+    device = rates.device if rates is not None else next((p.device for p in model.parameters()), torch.device("cpu"))
+    work = repr([(b.ops, b.fwd_flops, b.fwd_mem_bytes, b.fwd_rng_bytes, b.input_bytes) for b in cost.blocks])
+    dtypes = sorted({str(p.dtype) for p in model.parameters()})
+    return {
+        **machine_key(device),
+        "batch": cost.batch_size,
+        "blocks": hashlib.sha256(work.encode()).hexdigest()[:32],
+        "dtypes": dtypes,
+        "autocast": [list(map(str, a)) for a in _autocast_now()],
+        "rates": None if rates is None else rates.to_dict(),
+        "rounds": [min_rounds, max_rounds],
+        "version": _VERSION,
+    }
+
+
+def _timing(data: dict[str, Any]) -> BlockTiming:
+    return BlockTiming(**{**data, "part_keys": tuple((str(op), int(i)) for op, i in data["part_keys"])})
+
+
 def calibrated_profile(
     profile: Profile,
     model: nn.Module,
@@ -364,24 +392,38 @@ def calibrated_profile(
     `fit_rates` (rates the user gave stay as given), their keeping costs per op call are
     measured (`measure_keep_overheads`) and then `op_call_s` and `keep_ops_op_s` become the
     fits to the measured blocks (`planning.timing_fit`). Each probe's
-    `meta["keep_calibration_s"]` says how long the measurement took."""
+    `meta["keep_calibration_s"]` says how long the measurement took. What was measured is kept
+    between runs (`profiling.measured_cache`) for the same machine, blocks (their counted work),
+    batch size, autocast and rates: a later run plans from the same numbers."""
     t0 = time.perf_counter()
     n = batch_size_of(batch)
     cost = profile.at(n)
-    rates = cost.rates if fit_rates else None
-    if rates is not None:  # the keeping modes' costs first: the lighter choice is made with them
-        draws_s, ops_s = measure_keep_overheads(torch.device(rates.device))
-        rates = dataclasses.replace(rates, keep_draws_op_s=draws_s, keep_ops_op_s=ops_s)
-    timings = measure_step_blocks(cost, model, blocks, step_fn, batch, min_rounds, max_rounds, rates)
+    base = cost.rates if fit_rates else None
+
+    def measure() -> dict[str, Any]:
+        rates = base
+        if rates is not None:  # the keeping modes' costs first: the lighter choice is made with them
+            draws_s, ops_s = measure_keep_overheads(torch.device(rates.device))
+            rates = dataclasses.replace(rates, keep_draws_op_s=draws_s, keep_ops_op_s=ops_s)
+        timings = measure_step_blocks(cost, model, blocks, step_fn, batch, min_rounds, max_rounds, rates)
+        if timings and rates is not None:
+            calls_s, keep_s = fit_op_call_s(cost, timings, rates), fit_keep_ops_op_s(cost, timings, rates)
+            rates = dataclasses.replace(
+                rates,
+                op_call_s=rates.op_call_s if calls_s is None else calls_s,
+                keep_ops_op_s=rates.keep_ops_op_s if keep_s is None else keep_s,
+            )
+        return {
+            "timings": {str(i): dataclasses.asdict(t) for i, t in timings.items()},
+            "rates": None if rates is None else rates.to_dict(),
+        }
+
+    key = _calibration_key(cost, model, blocks, base, min_rounds, max_rounds)
+    found = kept("keep_calibration", key, measure) if key is not None else measure()
+    timings = {int(i): _timing(t) for i, t in found["timings"].items()}
     if not timings:
         return profile
-    if rates is not None:
-        calls_s, keep_s = fit_op_call_s(cost, timings, rates), fit_keep_ops_op_s(cost, timings, rates)
-        rates = dataclasses.replace(
-            rates,
-            op_call_s=rates.op_call_s if calls_s is None else calls_s,
-            keep_ops_op_s=rates.keep_ops_op_s if keep_s is None else keep_s,
-        )
+    rates = None if found["rates"] is None else MachineRates.from_dict(found["rates"])
     took = {"keep_calibration_s": time.perf_counter() - t0}
 
     def put(c: StepCost) -> StepCost:

@@ -9,6 +9,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from torch import nn
 from models import (
     FedChain,
     IdentityWrap,
@@ -332,3 +333,34 @@ def test_gradients_of_module_outputs_are_not_held_by_the_flop_counter():
     cost = probe_step(blocks, list(blocks), loss_fn, torch.randn(64, 16), timing=False)
     # a block's output gradient is 4 KiB; what is left is the bias's gradient on its way to block 0
     assert all(b.carried_bwd_bytes <= 256 for b in cost.blocks), [b.carried_bwd_bytes for b in cost.blocks]
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_sharded_blocks_run_the_same_passes_whatever_their_bytes(monkeypatch, sharded):
+    """Batch 1 is off the line: unsharded, the profiler leaves it out and checks the new line on a
+    slice twice the check (and times the promoted check). Sharded blocks gather their parameters in
+    every forward, so every rank must run the same passes: the probes and the check only, timed."""
+    import lightning_ckpt.profiling.profiler as profiler
+    from lightning_ckpt.planning.costs import BlockCost, StepCost
+    from lightning_ckpt.planning.machine_rates import MachineRates
+
+    def fake_probe(model, blocks, step_fn, batch, names=None, timing=True):
+        b = batch_size_of(batch)
+        calls.append((b, timing))
+        block = BlockCost("b0", saved_bytes=1000 * b, input_bytes=10 * b, bwd_transient_bytes=300 if b == 1 else 200 * b)
+        return StepCost(blocks=(block,), batch_size=b, meta={"work": {"device": "cpu"}})
+
+    calls: list = []
+    timed: list = []
+    monkeypatch.setattr(profiler, "probe_step", fake_probe)
+    monkeypatch.setattr(profiler, "_time_blocks", lambda model, blocks, fn, batch: timed.append(batch_size_of(batch)) or [1.0])
+    monkeypatch.setattr(profiler, "sharded_world_size", lambda blocks: 2 if sharded else 1)
+    model = nn.Sequential(nn.Linear(4, 4))
+    rates = MachineRates(flop_per_s=1e10, mem_byte_per_s=1e9, rng_byte_per_s=1e8)
+    profile = profile_model(model, [model[0]], lambda x: model(x).sum(), torch.randn(16, 4), rates=rates, calibrate_keeps=False)
+    if sharded:
+        assert calls == [(1, True), (2, True), (4, True)] and timed == []
+        assert [p.batch_size for p in profile.probes] == [2, 4] and profile.check is None
+    else:
+        assert calls == [(1, True), (2, True), (4, False), (8, False)] and timed == [4]
+        assert [p.batch_size for p in profile.probes] == [2, 4] and profile.check.batch_size == 8

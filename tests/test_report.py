@@ -12,11 +12,15 @@ from test_capacity import cost_at
 
 from lightning_ckpt.planning.costs import StepCost
 from lightning_ckpt.planning.policies import InfeasibleBudgetError, make_plan
+import lightning_ckpt.report as report
 from lightning_ckpt.report import (
+    REPORT_PNG,
     plot_tradeoff,
     tradeoff_curve,
     tradeoff_figure,
+    wait_for_plots,
     write_json,
+    write_report,
 )
 
 
@@ -46,6 +50,26 @@ def test_json_and_png_written_and_plot_marks_budget_and_choice(tmp_path):
     labels = fig.axes[0].get_legend_handles_labels()[1]
     assert "memory budget" in labels and "chosen: optimal" in labels
     assert any(line.get_xdata()[0] == budget / 2**20 for line in fig.axes[0].lines if line.get_linestyle() == "--")
+
+
+def test_a_plot_drawn_in_the_background_is_the_plot_drawn_in_place(tmp_path, monkeypatch):
+    cost = cost_at(8)
+    plan = make_plan(cost, "optimal", (make_plan(cost, "none").predicted_peak_bytes + make_plan(cost, "full").predicted_peak_bytes) // 2)
+    here = write_report(tmp_path / "here", plan, None, cost)
+    later = write_report(tmp_path / "later", plan, None, cost, background=True)
+    assert [p.name for p in later] == [p.name for p in here] and later[-1].name == REPORT_PNG
+    assert wait_for_plots() == []
+    assert np.array_equal(mpimg.imread(here[-1]), mpimg.imread(later[-1]))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no fonts")
+
+    monkeypatch.setattr(report, "plot_tradeoff", broken)
+    write_report(tmp_path / "broken", plan, None, cost, background=True)
+    failed = wait_for_plots()
+    assert len(failed) == 1 and "RuntimeError: no fonts" in failed[0] and REPORT_PNG in failed[0]
+    assert wait_for_plots() == []  # told once
+    assert (tmp_path / "broken" / report.REPORT_JSON).exists()
 
 
 def test_plot_axis_follows_the_cost_metric(tmp_path):

@@ -22,7 +22,7 @@ from lightning_ckpt.engine.checkpoint_engine import CheckpointEngine, EngineSett
 from lightning_ckpt.integrations import measured_peak, resume
 from lightning_ckpt.integrations import loader_batch_size as loader
 from lightning_ckpt.integrations.lightning_driver import LightningDriver
-from lightning_ckpt.integrations.loggers import log_metrics, write_plan_report
+from lightning_ckpt.integrations.loggers import finish_reports, log_metrics, write_plan_report
 from lightning_ckpt.planning.policies import POLICIES
 from lightning_ckpt.profiling.shapes import BatchShape
 from lightning_ckpt.report import plan_metrics, plan_summary
@@ -172,6 +172,7 @@ class ActivationCheckpointing(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._measuring.close()  # a step cut short is not measured
         self._peak = None
+        finish_reports()  # the report's PNG, drawn while training went on
         if self._fit_memory is not None and stage == "fit":
             self._fit_memory.restore()  # the allocator as it was before this fit
             self._fit_memory = None

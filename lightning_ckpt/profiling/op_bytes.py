@@ -16,12 +16,11 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_ckpt.profiling.tracker import storage_key
+from lightning_ckpt.profiling.tracker import flat_tensors, storage_key
 
-__all__ = ["OpBytesCounter", "written_bytes"]
+__all__ = ["OpBytesCounter", "WorkTally", "written_bytes"]
 
 _aten = torch.ops.aten
 # Ops that allocate or re-point storage without writing any data.
@@ -38,49 +37,47 @@ _NO_WRITE = {
 }
 
 
-def written_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+def written_bytes(func: Any, args: tuple, kwargs: dict, out: Any, inputs: set | None = None) -> int:
     """Bytes `func` wrote: numel x element size of every tensor it returns, except views.
 
     A returned tensor on the storage of an input is a view (`view`, `t`, `_unsafe_view`,
     `detach`: 0 bytes) unless the op mutates its inputs (`add_`, `bernoulli_`, `copy_`:
     the mutated tensor's bytes). Allocation-only ops (`empty`, `empty_like`, ...) write
     nothing. Only outputs count, not bytes read: a single rate per byte written,
-    measured on a mix of ops (`rates.measure_rates`), absorbs the reads.
+    measured on a mix of ops (`rates.measure_rates`), absorbs the reads. `inputs`, when
+    given, are the storage keys of the arguments (a dispatch mode that has them already).
     """
     schema = getattr(func, "_schema", None)
     if schema is None or getattr(func, "_overloadpacket", None) in _NO_WRITE or getattr(func, "is_view", False):
         return 0  # not an aten-style op (no schema), or one that writes nothing
-    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    outs = flat_tensors(out)
     if not outs:
         return 0
-    mutates = schema.is_mutable
-    inputs = set()
-    if not mutates:
-        inputs = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        inputs.discard(None)
-    return sum(t.numel() * t.element_size() for t in outs if mutates or storage_key(t) not in inputs)
+    if schema.is_mutable:
+        return sum(t.numel() * t.element_size() for t in outs)
+    if inputs is None:
+        inputs = {storage_key(t) for t in flat_tensors((args, kwargs))}
+    if None in inputs:
+        inputs = inputs - {None}
+    return sum(t.numel() * t.element_size() for t in outs if storage_key(t) not in inputs)
 
 
 def _is_random(func: Any) -> bool:
     return torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
 
 
-class OpBytesCounter(TorchDispatchMode):
-    """Counts bytes written by ops that `flops` counts 0 FLOPs for; enter it after `flops`.
+class WorkTally:
+    """Running totals of the work ops did: FLOPs by dtype, bytes written, random bytes drawn.
 
-    `mem_bytes` and `rng_bytes` are running totals (read them before and after a
-    region). `flop_dtypes` and `mem_dtypes` weigh each (device, dtype) by the
-    FLOPs or bytes done in it, so the machine rates can be measured where the work is.
-    Stacked above the FLOP counter, an op is seen once, before the counter decomposes
-    it, and the counter's total before and after the op says whether it had FLOPs.
-    `on_op`, when set, is called after each op with `(func, args, kwargs, outs, flops,
-    mem_bytes, rng_bytes)`: its tensor outputs and its own share of the counts
-    (`op_profile.OpProfileRecorder.record` takes exactly these).
+    `mem_bytes` and `rng_bytes` are running totals (read them before and after a region).
+    `flop_dtypes` and `mem_dtypes` weigh each (device, dtype) by the FLOPs or bytes done in
+    it, so the machine rates can be measured where the work is. `on_op`, when set, is
+    called after each op with `(func, args, kwargs, outs, flops, mem_bytes, rng_bytes)`: its
+    tensor outputs and its own share of the counts (`op_profile.OpProfileRecorder.record`
+    takes exactly these). The dispatch modes that feed it call `tally` once per op.
     """
 
-    def __init__(self, flops: FlopCounterMode) -> None:
-        super().__init__()
-        self.flops = flops
+    def _init_tally(self) -> None:
         self.mem_bytes = 0
         self.rng_bytes = 0
         self.flop_dtypes: Counter[tuple[str, torch.dtype]] = Counter()
@@ -91,19 +88,16 @@ class OpBytesCounter(TorchDispatchMode):
         """(mem_bytes, rng_bytes) so far."""
         return self.mem_bytes, self.rng_bytes
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        before = self.flops.get_total_flops()
-        out = func(*args, **kwargs)
-        flops = self.flops.get_total_flops() - before
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    def tally(self, func: Any, args: tuple, kwargs: dict, out: Any, outs: list, flops: int, inputs: set | None = None) -> None:
+        """Count one op: `outs` its tensor outputs, `flops` what the FLOP counter gave it;
+        `inputs`, when known, the storage keys of its tensor arguments."""
         first = outs[0] if outs else None
         mem = rng = 0
         if flops:
             if first is not None:
                 self.flop_dtypes[(str(first.device), first.dtype)] += flops
         else:
-            nbytes = written_bytes(func, args, kwargs, out)
+            nbytes = written_bytes(func, args, kwargs, out, inputs)
             if nbytes:
                 if _is_random(func):
                     rng = nbytes
@@ -115,7 +109,6 @@ class OpBytesCounter(TorchDispatchMode):
                     self.mem_dtypes[(str(first.device), first.dtype)] += nbytes
         if self.on_op is not None:
             self.on_op(func, args, kwargs, outs, flops, mem, rng)
-        return out
 
     def dominant(self) -> dict[str, str]:
         """Device and dtypes that carried most of the FLOPs and of the bytes (strings, for meta)."""
@@ -125,3 +118,24 @@ class OpBytesCounter(TorchDispatchMode):
         flop_dtype = flop[0][0][1] if flop else (mem[0][0][1] if mem else torch.float32)
         mem_dtype = mem[0][0][1] if mem else flop_dtype
         return {"device": device, "flop_dtype": str(flop_dtype), "mem_dtype": str(mem_dtype)}
+
+
+class OpBytesCounter(TorchDispatchMode, WorkTally):
+    """Counts bytes written by ops that `flops` counts 0 FLOPs for; enter it after `flops`.
+
+    Stacked above the FLOP counter, an op is seen once, before the counter decomposes it,
+    and the counter's total before and after the op says whether it had FLOPs. A probe
+    uses `probe_counters.ProbeCounters`, which does this and the FLOP count in one mode.
+    """
+
+    def __init__(self, flops: FlopCounterMode) -> None:
+        super().__init__()
+        self.flops = flops
+        self._init_tally()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        before = self.flops.get_total_flops()
+        out = func(*args, **kwargs)
+        self.tally(func, args, kwargs, out, flat_tensors(out), self.flops.get_total_flops() - before)
+        return out

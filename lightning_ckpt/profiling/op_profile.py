@@ -13,11 +13,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from lightning_ckpt.planning.costs import OpCost
 from lightning_ckpt.profiling.op_keys import OpCallCounter, is_random_op
-from lightning_ckpt.profiling.tracker import storage_bytes, storage_key
+from lightning_ckpt.profiling.tracker import flat_tensors, storage_bytes, storage_key
 
 __all__ = ["OpProfileRecorder", "written_args"]
 
@@ -40,7 +39,7 @@ def written_args(func: Any) -> tuple[tuple[int, str], ...]:
 
 
 def _tensor_keys(values: Any) -> set:
-    keys = {storage_key(t) for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor)}
+    keys = {storage_key(t) for t in flat_tensors(values)}
     keys.discard(None)
     return keys
 

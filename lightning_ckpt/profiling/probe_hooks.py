@@ -13,12 +13,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ckpt.profiling.batch import first_tensor, tensors_in
 from lightning_ckpt.profiling.chain_check import receives_output, tensor_version
 from lightning_ckpt.profiling.lifetimes import PRE, Marks, StorageLedger, block_region, carried_terms, gap_region, held_rise, is_local
-from lightning_ckpt.profiling.op_bytes import OpBytesCounter
+from lightning_ckpt.profiling.op_bytes import WorkTally
 from lightning_ckpt.profiling.op_profile import OpProfileRecorder
 from lightning_ckpt.profiling.tracker import LiveBytesTracker, storage_bytes, storage_key
 
@@ -33,9 +32,9 @@ class Probe:
         model: nn.Module,
         blocks: Sequence[nn.Module],
         tracker: LiveBytesTracker,
-        flops: FlopCounterMode,
+        flops: Any,
         names: Sequence[str],
-        work: OpBytesCounter | None = None,
+        work: WorkTally | None = None,
         batch_keys: set | None = None,
         op_profile: OpProfileRecorder | None = None,
     ):

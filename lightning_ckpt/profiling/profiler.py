@@ -1,7 +1,8 @@
 """Measure a training step block by block, without changing any state.
 
 One probe runs `step_fn(batch)` (forward and loss) and `loss.backward()` under a
-live-bytes tracker, a FLOP counter and saved-tensor hooks, with hooks that mark
+live-bytes tracker and FLOP and work counters (one dispatch mode, `probe_counters`) and
+saved-tensor hooks, with hooks that mark
 each block's forward and backward. It records per block what it saves for
 backward, its boundary tensors, its scratch space, FLOPs, the bytes written by ops
 that have no FLOPs (`op_bytes`), forward time and, per op call, the same split and
@@ -20,7 +21,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ckpt.planning.costs import BlockCost, StepCost
 from lightning_ckpt.planning.linear_fit import Profile, refit_without_smallest
@@ -29,12 +29,13 @@ from lightning_ckpt.profiling.applied_marks import refuse_marked
 from lightning_ckpt.profiling.batch import batch_size_of, slice_batch, tensors_in
 from lightning_ckpt.profiling.forward_passes import nosave_forward_peaks as _nosave_forward_peaks
 from lightning_ckpt.profiling.forward_passes import time_blocks as _time_blocks
+from lightning_ckpt.profiling.gather import sharded_world_size
 from lightning_ckpt.profiling.lifetimes import StorageLedger
-from lightning_ckpt.profiling.op_bytes import OpBytesCounter
 from lightning_ckpt.profiling.op_profile import OpProfileRecorder
+from lightning_ckpt.profiling.probe_counters import ProbeCounters
 from lightning_ckpt.profiling.probe_hooks import Probe
 from lightning_ckpt.profiling.state import preserved_state
-from lightning_ckpt.profiling.tracker import LiveBytesTracker, storage_key, unique_storage_bytes
+from lightning_ckpt.profiling.tracker import storage_key, unique_storage_bytes
 
 StepFn = Callable[[Any], torch.Tensor]
 MAX_REFITS = 2  # how often profiling leaves its smallest slice out and checks on one twice as large
@@ -64,17 +65,15 @@ def probe_step(
     }
     outside.pop(None, None)
     with preserved_state(model):
-        tracker = LiveBytesTracker(ledger=StorageLedger())
+        tracker = flops = work = ProbeCounters(ledger=StorageLedger())  # live bytes, FLOPs and work: one mode
         tracker.ledger.param_last = dict.fromkeys(outside)
-        flops = _global_flop_counter()
-        work = OpBytesCounter(flops)
         probe = Probe(model, blocks, tracker, flops, names, work, batch_keys, OpProfileRecorder())
         handles = []
         for b in blocks:
             handles.append(b.register_forward_pre_hook(probe.pre_hook, with_kwargs=True))
             handles.append(b.register_forward_hook(probe.post_hook, always_call=True))
         try:
-            with flops, work, tracker:  # `work` above `flops`: it sees each op before flops decomposes it
+            with tracker:
                 with torch.autograd.graph.saved_tensors_hooks(probe.pack, probe.unpack):
                     loss = _as_loss(step_fn(batch))
                 if probe.post_open:  # the forward is over: the head's and the loss's peak so far
@@ -148,28 +147,6 @@ def probe_step(
     )
 
 
-class _GlobalOnly:
-    """Stands in for `FlopCounterMode`'s module tracker, so every FLOP counts under "Global" only. The
-    tracker hooks every module's outputs for the backward and holds their gradients until all of a
-    module's outputs have one (`register_multi_grad_hook`): a T5 block's position bias never gets one,
-    so the tracker kept the others to the end of the backward, and a live-bytes probe saw them."""
-
-    parents = frozenset({"Global"})
-
-    def __enter__(self) -> "_GlobalOnly":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-def _global_flop_counter() -> FlopCounterMode:
-    flops = FlopCounterMode(display=False)
-    if hasattr(flops, "mod_tracker"):
-        flops.mod_tracker = _GlobalOnly()
-    return flops
-
-
 def _as_loss(out: Any) -> torch.Tensor:
     if isinstance(out, dict):
         out = out.get("loss")
@@ -201,9 +178,12 @@ def profile_model(
     When the line through the two probes misses the check slice, the smallest probe is left out
     (`linear_fit.refit_without_smallest`): the probe and the check define the line, and a slice of
     twice the check size checks it when the batch is that large (`Profile.fit_note` says so).
+    Blocks sharded over several ranks (ZeRO-3, FSDP2) get no such larger slice: every rank runs
+    the same passes, whatever its own bytes say.
 
     With `timing`, blocks are timed and the machine's rates measured on the device
-    and dtypes that did most of the probed work (`rates.measure_rates`, 0.3-1.3 s on one CPU thread);
+    and dtypes that did most of the probed work (`rates.measure_rates`, 0.3-1.3 s on one CPU thread,
+    kept for later runs: `rates.kept_rates`);
     `rates` given are used as they are. Either way they land in `meta["rates"]` of
     every probe, which the `time` cost metric needs. With `timing` and `calibrate_keeps`, each
     distinct block with op calls to keep is also timed alone on the whole `batch`, keeping them
@@ -219,13 +199,18 @@ def profile_model(
             f"the batch has {n} samples but profiling slices up to {max(sizes)}; pass a larger batch or "
             "smaller probe_batch_sizes / check_batch_size."
         )
+    # Sharded blocks gather their parameters in every forward: ranks profiling together must run the
+    # same passes, and their bytes may differ a little (uneven shards, buffers the communication
+    # thread frees when it gets to it), so no pass here may depend on them: the check is timed with
+    # the probes and no larger check is added.
+    fixed = sharded_world_size(blocks) > 1
     probes = tuple(probe_step(model, blocks, step_fn, slice_batch(batch, s), names, timing) for s in probe_batch_sizes)
     check = None
     if check_batch_size is not None and check_batch_size not in probe_batch_sizes:
-        check = probe_step(model, blocks, step_fn, slice_batch(batch, check_batch_size), names, timing=False)
+        check = probe_step(model, blocks, step_fn, slice_batch(batch, check_batch_size), names, timing=timing and fixed)
     fitted = refit_without_smallest(Profile(probes=probes, check=check))  # type: ignore[arg-type]
     size = check_batch_size
-    for _ in range(MAX_REFITS):
+    for _ in range(0 if fixed else MAX_REFITS):
         if fitted.probes[0] is probes[0] or fitted.check is not None:
             break
         # [constraint] the smallest slice is off the line: the two larger ones define it, and a slice
@@ -237,13 +222,13 @@ def profile_model(
         check = probe_step(model, blocks, step_fn, slice_batch(batch, size), names, timing=False)
         fitted = refit_without_smallest(Profile(probes=probes, check=check))  # type: ignore[arg-type]
     probes, check = fitted.probes, fitted.check
-    if timing:  # check slices promoted by the refit were profiled untimed: timed now
+    if timing and not fixed:  # check slices promoted by the refit were profiled untimed: timed now
         probes = tuple(p if p.batch_size in probe_batch_sizes else _timed(model, blocks, step_fn, batch, p) for p in probes)
     given = rates is not None
     if rates is None and timing:
-        from lightning_ckpt.profiling.rates import measure_rates
+        from lightning_ckpt.profiling.rates import kept_rates
 
-        rates = measure_rates(**probes[-1].meta["work"])
+        rates = kept_rates(**probes[-1].meta["work"])
     if rates is not None:
         probes = tuple(_with_rates(p, rates) for p in probes)
         check = None if check is None else _with_rates(check, rates)

@@ -26,9 +26,10 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ckpt.planning.machine_rates import MachineRates
+from lightning_ckpt.profiling.measured_cache import kept, machine_key
 from lightning_ckpt.profiling.op_bytes import OpBytesCounter
 
-__all__ = ["TinyOpsBlock", "count_op_calls", "interleaved_medians", "measure_rates", "step_clock"]
+__all__ = ["TinyOpsBlock", "count_op_calls", "interleaved_medians", "kept_rates", "measure_rates", "step_clock"]
 
 # (matmul side, elements of the memory-bound and random tensors) per device type. On a CPU,
 # 2**18 elements (1 MiB in fp32) stay near the core's L2 like a block's activations at small
@@ -37,6 +38,21 @@ __all__ = ["TinyOpsBlock", "count_op_calls", "interleaved_medians", "measure_rat
 _SIZES = {"cpu": (512, 2**18), "default": (4096, 2**24)}
 _ROW = 256  # softmax and layer norm reduce over rows of this many elements
 _WARM_CALLS = (3, 20)  # at least / at most this many untimed calls before timing one kernel
+_VERSION = 1  # of what `measure_rates` measures: rates kept by another version are measured again
+
+
+def kept_rates(
+    device: str | torch.device = "cpu",
+    flop_dtype: str | torch.dtype = torch.float32,
+    mem_dtype: str | torch.dtype = torch.float32,
+) -> MachineRates:
+    """`measure_rates` of this machine, kept between runs (`measured_cache`): measured once per
+    device, dtypes, thread count and torch version, then read back (`LIGHTNING_CKPT_REMEASURE=1`
+    measures again). Each run then plans from the same rates."""
+    device = torch.device(device)
+    key = {**machine_key(device), "flop_dtype": str(_dtype(flop_dtype)), "mem_dtype": str(_dtype(mem_dtype)), "version": _VERSION}
+    value = kept("rates", key, lambda: measure_rates(device, flop_dtype, mem_dtype).to_dict())
+    return MachineRates.from_dict(value)
 
 
 def measure_rates(
