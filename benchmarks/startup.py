@@ -46,6 +46,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -76,8 +77,8 @@ STICKY = {"report"}
 
 
 class PhaseClock:
-    """Exclusive wall time per phase: a phase's time leaves out the phases that run inside it,
-    except inside a sticky phase, which keeps all of its time."""
+    """Exclusive wall time per phase on the training thread: a phase's time leaves out the phases
+    that run inside it, except inside a sticky phase, which keeps all of its time."""
 
     def __init__(self) -> None:
         self.totals: dict[str, float] = {}
@@ -88,6 +89,8 @@ class PhaseClock:
         clock = self
 
         def timed(*args, **kwargs):
+            if threading.current_thread() is not threading.main_thread():
+                return fn(*args, **kwargs)  # the report's plot, drawn beside the training thread: not its time
             if any(name in STICKY for name, _ in clock._stack):
                 return fn(*args, **kwargs)
             clock._push(phase)

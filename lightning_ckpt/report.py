@@ -176,8 +176,8 @@ def write_report(
 ) -> list[Path]:
     """Write `REPORT_JSON` into `directory` (with every block's per-op records when `full`), and
     `REPORT_PNG` when the step's cost is known (a plan resumed from a checkpoint may come without
-    it); -> the paths written. With `background` the PNG (its curves planned, then drawn: 0.4-0.7 s
-    at 48 blocks) is made on a thread of its own, off the training step's path; `wait_for_plots`
+    it); -> the paths written. With `background` the PNG (its curves planned, then drawn: 0.4-0.8 s
+    at 48 blocks on one CPU thread) is made on a thread of its own, off the training step's path; `wait_for_plots`
     waits for it (the callback does at the end of fit, and the process at exit)."""
     directory = Path(directory)
     paths = [write_json(directory / REPORT_JSON, plan, profile, cost, full=full)]

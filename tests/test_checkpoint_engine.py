@@ -22,9 +22,11 @@ class Driver:
         self.model, self.rank, self.shared = model, rank, shared
         self.grads_accumulate = False
         self.profiled, self.applied, self.messages, self.broadcasts = [], [], [], []
+        self.timed_blocks: list[bool] = []
 
-    def profile(self, batch, blocks, names, *, batch_idx, probes, check, rates, calibrate_keeps):
+    def profile(self, batch, blocks, names, *, batch_idx, probes, check, rates, calibrate_keeps, time_blocks=True):
         self.profiled.append(tuple(batch[0].shape))
+        self.timed_blocks.append(time_blocks)
         return profile_model(self.model, blocks, self.loss, batch, probes, check, names=names, timing=False)
 
     def loss(self, batch):
@@ -50,12 +52,12 @@ class Driver:
     warn = info
 
 
-def _engine(budget: int = 10**9, policy: str = "full", rank: int = 0, shared=None):
+def _engine(budget: int = 10**9, policy: str = "full", rank: int = 0, shared=None, metric: str = "flops"):
     torch.manual_seed(0)
     model = TinyChain(n_blocks=4, d=16)
     _, names, blocks = resolve_blocks(model, "blocks")
     driver = Driver(model, rank, shared)
-    engine = CheckpointEngine(EngineSettings(budget, policy=policy, cost_metric="flops"), driver)
+    engine = CheckpointEngine(EngineSettings(budget, policy=policy, cost_metric=metric), driver)
     engine.bind(blocks, names)
     return engine, driver
 
@@ -77,6 +79,14 @@ def test_a_shape_is_profiled_and_planned_once_and_switched_when_it_changes():
     assert len(driver.applied) == applied and len(engine.plans) == 2  # `full` at both: the hooks stayed as they were
     engine.remove()
     assert _hooks(driver.model) == 0 and not engine.applied
+
+
+@pytest.mark.parametrize("metric", ["flops", "ms"])  # (time: as flops; this driver measures no rates)
+def test_blocks_are_timed_only_for_the_metric_that_reads_their_times(metric):
+    engine, driver = _engine(metric=metric)
+    engine.step(tokens_batch(8, 12))
+    assert driver.timed_blocks == [metric == "ms"]
+    engine.close()
 
 
 def test_other_blocks_void_what_was_profiled_and_the_same_blocks_keep_it():

@@ -89,6 +89,10 @@ def _ddp_worker(fabric: Fabric, budget: int, lengths_by_rank: list) -> dict:
             "hooks": got["hooks"], "names": got["names"]}
     every: list = [None] * fabric.world_size
     torch.distributed.all_gather_object(every, mine)
+    # gloo's threads stopped here, with both ranks done, not at the interpreter's exit (a rank once
+    # aborted there: "terminate called without an active exception")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
     return every
 
 

@@ -69,8 +69,10 @@ class StepDriver(Protocol):
     def profile(
         self, batch: Any, blocks: list[torch.nn.Module], names: list[str], *, batch_idx: int,
         probes: tuple[int, int], check: int | None, rates: MachineRates | None, calibrate_keeps: bool,
+        time_blocks: bool = True,
     ) -> Profile:
-        """One profile of the step on slices of `batch`, every state put back."""
+        """One profile of the step on slices of `batch`, every state put back (`time_blocks`: each
+        block's forward timed too)."""
 
     def static_memory(self) -> StaticMemory: ...
 
@@ -313,6 +315,7 @@ class CheckpointEngine:
             batch, self.blocks, self.block_names, batch_idx=self._batch_idx, probes=s.probe_batch_sizes,
             check=s.check_batch_size, rates=self._rates,
             calibrate_keeps=own and self._rates is None and s.granularity == "op" and s.cost_metric == "time",
+            time_blocks=s.cost_metric == "ms",  # only that metric reads the blocks' measured forward times
         )
         self.profiled_steps += own
         if self._rates is None:

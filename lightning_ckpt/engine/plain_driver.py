@@ -103,6 +103,7 @@ class PlainDriver:
     def profile(
         self, batch: Any, blocks: list[nn.Module], names: list[str], *, batch_idx: int,
         probes: tuple[int, int], check: int | None, rates: MachineRates | None, calibrate_keeps: bool,
+        time_blocks: bool = True,
     ) -> Profile:
         check = checked_size(batch, probes, check, self.info)
         ddp = ddp_module(self.wrapped)
@@ -112,7 +113,7 @@ class PlainDriver:
             with preserved_rng(), unchanged_parameters(self.model), no_sync:  # the RNG as found, whatever profiling ran
                 return profile_model(
                     self.model, blocks, self.step_fn, batch, probes, check, names=names,
-                    calibrate_keeps=calibrate_keeps, rates=rates,
+                    calibrate_keeps=calibrate_keeps, rates=rates, time_blocks=time_blocks,
                 )
         finally:
             self.profiling = False

@@ -50,11 +50,12 @@ class LightningDriver:
     def profile(
         self, batch: Any, blocks: list[torch.nn.Module], names: list[str], *, batch_idx: int,
         probes: tuple[int, int], check: int | None, rates: MachineRates | None, calibrate_keeps: bool,
+        time_blocks: bool = True,
     ) -> Profile:
         trainer = self.trainer
         return profile_first_batch(
             trainer, trainer.lightning_module, blocks, names, batch, batch_idx, probes, check,
-            calibrate_keeps=calibrate_keeps, rates=rates,
+            calibrate_keeps=calibrate_keeps, rates=rates, time_blocks=time_blocks,
         )
 
     def static_memory(self) -> StaticMemory:

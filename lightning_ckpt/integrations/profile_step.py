@@ -54,16 +54,19 @@ def profile_first_batch(
     check: int | None,
     calibrate_keeps: bool = False,
     rates: MachineRates | None = None,
+    time_blocks: bool = True,
 ) -> Profile:
     """Profile the blocks at the probe sizes (and the check size) on slices of `batch`;
     `calibrate_keeps` (op-level plans in `time`) also times what keeping op outputs saves;
-    `rates` measured by an earlier profile are reused (None: measured now)."""
+    `rates` measured by an earlier profile are reused (None: measured now); `time_blocks`: each
+    block's forward is timed (the `ms` cost metric needs it)."""
     check = probe_sizes(batch, probes, check)
     step_fn = _training_step(trainer, pl_module, batch_idx)
     # optimizers, schedulers and counters held still; a manual step's backward is run by the profiler
     with held_training(trainer, pl_module, blocks, names, step_fn) as step:
         with profiling_context(trainer), eager_only():  # a compiled model is profiled as its original code
-            profile = profile_model(pl_module, blocks, step, batch, probes, check, names=names, calibrate_keeps=calibrate_keeps, rates=rates)
+            profile = profile_model(pl_module, blocks, step, batch, probes, check, names=names, calibrate_keeps=calibrate_keeps, rates=rates,
+                                    time_blocks=time_blocks)
         profile = one_block_profile(profile, compiled_by(pl_module, blocks))  # compiled: one block per region
         profile = with_recompute_gather(profile, blocks)  # sharded blocks: what their recompute gathers, and how fast
     if profile.fit_note:  # the smallest slices were left out: they were off the line through the larger ones

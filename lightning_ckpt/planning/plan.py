@@ -179,10 +179,8 @@ class Plan:
             f"predicted peak {format_bytes(self.predicted_peak_bytes)} (at {self.peak_phase}) vs budget {budget}: {verdict}; "
             f"static {format_bytes(self.static_bytes)}"
         )
-        lines.append(
-            f"recompute {format_flops(self.recompute_flops)}FLOP = {100 * self.recompute_share:.1f}% of the step "
-            f"({self.recompute_ms:.1f} ms measured forward time)"
-        )
+        timed = f" ({self.recompute_ms:.1f} ms measured forward time)" if self.recompute_ms > 0 else ""
+        lines.append(f"recompute {format_flops(self.recompute_flops)}FLOP = {100 * self.recompute_share:.1f}% of the step{timed}")
         if estimated:
             rates, work = "", "FLOPs, memory-bound bytes and random bytes"
             if self.rates is not None:

@@ -172,6 +172,7 @@ def profile_model(
     timing: bool = True,
     rates: MachineRates | None = None,
     calibrate_keeps: bool = True,
+    time_blocks: bool = True,
 ) -> Profile:
     """Probe at two small slices of `batch` (and check on a third) -> `Profile`.
 
@@ -181,7 +182,9 @@ def profile_model(
     Blocks sharded over several ranks (ZeRO-3, FSDP2) get no such larger slice: every rank runs
     the same passes, whatever its own bytes say.
 
-    With `timing`, blocks are timed and the machine's rates measured on the device
+    With `timing`, blocks are timed (unless `time_blocks` is False: only the `ms` cost metric and
+    the plan table's measured forward time read them; 0.2 s of a profile on the encoder example)
+    and the machine's rates measured on the device
     and dtypes that did most of the probed work (`rates.measure_rates`, 0.3-1.3 s on one CPU thread,
     kept for later runs: `rates.kept_rates`);
     `rates` given are used as they are. Either way they land in `meta["rates"]` of
@@ -204,10 +207,11 @@ def profile_model(
     # thread frees when it gets to it), so no pass here may depend on them: the check is timed with
     # the probes and no larger check is added.
     fixed = sharded_world_size(blocks) > 1
-    probes = tuple(probe_step(model, blocks, step_fn, slice_batch(batch, s), names, timing) for s in probe_batch_sizes)
+    timed = timing and time_blocks
+    probes = tuple(probe_step(model, blocks, step_fn, slice_batch(batch, s), names, timed) for s in probe_batch_sizes)
     check = None
     if check_batch_size is not None and check_batch_size not in probe_batch_sizes:
-        check = probe_step(model, blocks, step_fn, slice_batch(batch, check_batch_size), names, timing=timing and fixed)
+        check = probe_step(model, blocks, step_fn, slice_batch(batch, check_batch_size), names, timing=timed and fixed)
     fitted = refit_without_smallest(Profile(probes=probes, check=check))  # type: ignore[arg-type]
     size = check_batch_size
     for _ in range(0 if fixed else MAX_REFITS):
@@ -222,7 +226,7 @@ def profile_model(
         check = probe_step(model, blocks, step_fn, slice_batch(batch, size), names, timing=False)
         fitted = refit_without_smallest(Profile(probes=probes, check=check))  # type: ignore[arg-type]
     probes, check = fitted.probes, fitted.check
-    if timing and not fixed:  # check slices promoted by the refit were profiled untimed: timed now
+    if timed and not fixed:  # check slices promoted by the refit were profiled untimed: timed now
         probes = tuple(p if p.batch_size in probe_batch_sizes else _timed(model, blocks, step_fn, batch, p) for p in probes)
     given = rates is not None
     if rates is None and timing:

@@ -22,7 +22,7 @@ def flat_tensors(value: Any) -> list[torch.Tensor]:
     """The tensors in `value`, through tuples, lists and dicts: what an op takes and returns.
 
     Dispatch modes see every op, so this stands in for `torch.utils._pytree.tree_flatten` on
-    their hot path (measured 4x faster on an encoder's op arguments): op arguments and
+    their hot path, which also looks for every registered container type: op arguments and
     results hold no other containers.
     """
     if isinstance(value, torch.Tensor):
