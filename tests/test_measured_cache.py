@@ -81,7 +81,14 @@ def test_a_damaged_or_unwritable_file_only_costs_a_measurement(folder, tmp_path,
     blocked = tmp_path / "a-file"
     blocked.write_text("")
     monkeypatch.setenv(CACHE_ENV, str(blocked / "below"))  # a folder that cannot be made
-    assert kept("rates", {"a": 1}, measure) == {"x": 3.0}
+    with pytest.warns(UserWarning, match=r"cannot keep measured timings in .*below.*measured again in every run.*"
+                      r"LIGHTNING_CKPT_CACHE_DIR to a writable folder"):
+        assert kept("rates", {"a": 1}, measure) == {"x": 3.0}
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once per folder
+        assert kept("rates", {"a": 1}, measure) == {"x": 4.0}
 
 
 def test_the_file_keeps_the_newest_entries_only(folder):

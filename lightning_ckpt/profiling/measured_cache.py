@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ __all__ = ["CACHE_ENV", "REMEASURE_ENV", "cache_dir", "kept", "machine_key"]
 CACHE_ENV = "LIGHTNING_CKPT_CACHE_DIR"
 REMEASURE_ENV = "LIGHTNING_CKPT_REMEASURE"
 _OFF = {"", "0", "off", "false", "no", "none"}
+_TOLD: set[str] = set()  # folders already said to be unwritable
 MAX_ENTRIES = 64  # per kind; the oldest go first: a file stays a few tens of KB
 
 
@@ -88,8 +90,14 @@ def _write(path: Path, entries: dict[str, Any]) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(entries, f)
         os.replace(tmp, path)  # ranks writing at once: each file is whole, the last one stays
-    except OSError:
-        return  # a read-only home: timings are measured every run, as without the cache
+    except OSError as err:  # a read-only home: timings are measured in every run, said once per folder
+        if str(path.parent) not in _TOLD:
+            _TOLD.add(str(path.parent))
+            warnings.warn(
+                f"lightning-ckpt: cannot keep measured timings in {path.parent} ({err}); they are measured again in "
+                f"every run. Set {CACHE_ENV} to a writable folder, or to 'off' to keep nothing.",
+                stacklevel=2,
+            )
 
 
 def kept(kind: str, key: dict[str, Any], measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
