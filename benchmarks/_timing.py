@@ -18,7 +18,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ckpt import measure_step_peak
-from lightning_ckpt.apply import apply_segments
+from lightning_ckpt.apply.segments import apply_segments
 
 
 @dataclass

@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from oracles import reference_optimal_segments  # noqa: E402  (tests/oracles.py)
 
 from lightning_ckpt.planning.chain_planner import solve_chain  # noqa: E402
-from lightning_ckpt.planning.costs import BlockCost, StepCost  # noqa: E402
+from lightning_ckpt.costs.block_costs import BlockCost, StepCost  # noqa: E402
 from lightning_ckpt.planning.memory_model import predict_peak  # noqa: E402
 from lightning_ckpt.planning.policies import every_k_segments  # noqa: E402
 from lightning_ckpt.planning.recompute_cost import recompute_cost  # noqa: E402

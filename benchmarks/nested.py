@@ -33,10 +33,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from lightning_ckpt import make_plan, measure_step_peak, profile_model, static_memory  # noqa: E402
-from lightning_ckpt.apply import apply_segments  # noqa: E402
+from lightning_ckpt.apply.segments import apply_segments  # noqa: E402
 from lightning_ckpt.planning.capacity import largest_batch  # noqa: E402
 from lightning_ckpt.planning.nested_model import depth_of  # noqa: E402
-from lightning_ckpt.planning.plan import format_bytes  # noqa: E402
+from lightning_ckpt.units import format_bytes  # noqa: E402
 
 
 def encoder(quick: bool, rows: int):

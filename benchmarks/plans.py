@@ -9,7 +9,7 @@ chain `blocks`), the ResNet-style CNN (examples/train_cnn.py, batch 64, chain
 stem + layer1..4) and HF BERT with 48 layers built from its config (hidden 64, 2
 heads, dropout 0.1, batch 16 x 128 tokens, chain `bert.encoder.layer`; transformers'
 default attention, SDPA): profile one step (and measure on the blocks what keeping op
-outputs saves and what recomputing costs: `lightning_ckpt.keep_calibration`), then at
+outputs saves and what recomputing costs: `lightning_ckpt.apply.keep_calibration`), then at
 budgets 25 %, 50 % and 75 % of the way from the `full` peak to the `none` peak (for
 BERT also 16 bytes per parameter plus 30 % and 60 % of the activations of `none`)
 make the plan of every policy (`none`, `full`, `every_k` with the smallest k that
@@ -55,8 +55,9 @@ from lightning_ckpt import (  # noqa: E402
     resolve_blocks,
     static_memory,
 )
-from lightning_ckpt.keep_calibration import calibrated_profile  # noqa: E402
-from lightning_ckpt.planning.plan import Plan, format_bytes  # noqa: E402
+from lightning_ckpt.apply.keep_calibration import calibrated_profile  # noqa: E402
+from lightning_ckpt.planning.plan import Plan  # noqa: E402
+from lightning_ckpt.units import format_bytes  # noqa: E402
 
 POLICIES = ("none", "full", "every_k", "sqrt", "greedy", "optimal", "optimal-time", "optimal-op")
 # "optimal-time": the optimal policy with cost_metric="time" (FLOPs, memory-bound and

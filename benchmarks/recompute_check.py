@@ -7,7 +7,7 @@
 estimate: HF Llama built from its config (`_hf_examples.llama_example`: 16 layers, hidden
 128, batch 8 x 128 tokens) whose step runs under `torch.autocast("cpu", torch.bfloat16)`, as
 Lightning's `bf16-mixed` does on a CPU. Profile it as `benchmarks/plans.py` does (the rates, then the
-calibration on the blocks: `lightning_ckpt.keep_calibration`), plan `optimal` in `time` at
+calibration on the blocks: `lightning_ckpt.apply.keep_calibration`), plan `optimal` in `time` at
 25, 50 and 75 % of the way from the `full` peak to the `none` peak, and `full`; time `none`
 and each plan interleaved (rounds in a rotating order, one untimed step per visit, CPU
 clock) and compare each plan's estimated recompute (`Plan.recompute_est_ms`) with its

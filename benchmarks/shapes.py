@@ -55,9 +55,10 @@ from hf_models import LitHF, PaddedTextData, StepPeaks, tiny_bert  # noqa: E402
 from lit_models import make_trainer  # noqa: E402
 
 from lightning_ckpt import ActivationCheckpointing, apply_plan, make_plan, resolve_blocks  # noqa: E402
-from lightning_ckpt.planning.plan import Plan, format_bytes  # noqa: E402
+from lightning_ckpt.planning.plan import Plan  # noqa: E402
+from lightning_ckpt.units import format_bytes  # noqa: E402
 from lightning_ckpt.planning.shape_profile import FIT_TOLERANCE  # noqa: E402
-from lightning_ckpt.shape_plans import same_regions  # noqa: E402
+from lightning_ckpt.engine.shape_plans import same_regions  # noqa: E402
 
 SKIP = 3  # steps left out at the start of a run: optimizer state created, allocator warming up
 

@@ -65,13 +65,13 @@ PATCHES = (
     ("lightning_ckpt.profiling.forward_passes", "time_blocks", "block timing"),
     ("lightning_ckpt.profiling.forward_passes", "nosave_forward_peaks", "no-save fwd"),
     ("lightning_ckpt.profiling.rates", "measure_rates", "rates"),
-    ("lightning_ckpt.keep_calibration", "calibrated_profile", "calibration"),
+    ("lightning_ckpt.apply.keep_calibration", "calibrated_profile", "calibration"),
     ("lightning_ckpt.planning.policies", "make_plan", "planning"),
     ("lightning_ckpt.engine.target_plan", "plan_for_target", "planning"),
     ("lightning_ckpt.engine.target_plan", "plan_for_max", "planning"),
-    ("lightning_ckpt.integrations.compiled", "apply_plan", "applying"),
-    ("lightning_ckpt.apply", "apply_plan", "applying"),
-    ("lightning_ckpt.report", "write_report", "report"),
+    ("lightning_ckpt.frontends.lightning.compiled", "apply_plan", "applying"),
+    ("lightning_ckpt.apply.segments", "apply_plan", "applying"),
+    ("lightning_ckpt.report.files", "write_report", "report"),
 )
 STICKY = {"report"}
 
@@ -153,7 +153,7 @@ def worker(model: str, steps: int, tune_allocator: str, report: bool, callback: 
     trainer = cli.trainer
 
     import lightning_ckpt
-    from lightning_ckpt.integrations.callback import ActivationCheckpointing
+    from lightning_ckpt.frontends.lightning.callback import ActivationCheckpointing
 
     config = yaml.safe_load(CONFIGS[model].read_text())
     init = next(

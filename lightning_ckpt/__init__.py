@@ -12,32 +12,34 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lightning_ckpt.apply import AppliedPlan, apply_plan, apply_segments
-from lightning_ckpt.engine.auto_checkpoint import CheckpointHandle, auto_checkpoint
-from lightning_ckpt.engine.checkpoint_engine import CheckpointEngine, EngineSettings, StepDriver
-from lightning_ckpt.model_compat import Prepared, explain_checkpoint_error, prepare_model
-from lightning_ckpt.planning.costs import BlockCost, OpCost, StepCost
-from lightning_ckpt.planning.linear_fit import Profile
-from lightning_ckpt.planning.machine_rates import MachineRates
-from lightning_ckpt.planning.memory_model import predict_peak
-from lightning_ckpt.planning.op_options import GRANULARITIES, OpOption, block_options
-from lightning_ckpt.planning.plan import Plan
-from lightning_ckpt.engine.target_plan import cost_at as step_cost
-from lightning_ckpt.planning.policies import POLICIES, InfeasibleBudgetError, PartialStepWarning, make_plan
-from lightning_ckpt.planning.recompute_cost import recompute_cost
+# in pipeline order: shared data, profiling, planning, apply, the engine, the front ends
+from lightning_ckpt.units import parse_bytes
+from lightning_ckpt.costs.block_costs import BlockCost, OpCost, StepCost
+from lightning_ckpt.costs.linear_fit import Profile
+from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.profiling.blocks import resolve_blocks
 from lightning_ckpt.profiling.discovery import ChainChoice, discover_chain
-from lightning_ckpt.profiling.profiler import profile_model
 from lightning_ckpt.profiling.rates import measure_rates
 from lightning_ckpt.profiling.static_memory import StaticMemory, static_memory
 from lightning_ckpt.profiling.step_peak import measure_step_peak
 from lightning_ckpt.profiling.tracker import LiveBytesTracker
 from lightning_ckpt.profiling.zero_memory import ZeroMemory, zero_memory
-from lightning_ckpt.units import parse_bytes
+from lightning_ckpt.planning.memory_model import predict_peak
+from lightning_ckpt.planning.op_options import GRANULARITIES, OpOption, block_options
+from lightning_ckpt.planning.plan import Plan
+from lightning_ckpt.planning.policies import POLICIES, InfeasibleBudgetError, PartialStepWarning, make_plan
+from lightning_ckpt.planning.recompute_cost import recompute_cost
+from lightning_ckpt.apply.recompute_errors import explain_checkpoint_error
+from lightning_ckpt.apply.segments import AppliedPlan, apply_plan, apply_segments
+from lightning_ckpt.engine.checkpoint_engine import CheckpointEngine, EngineSettings, StepDriver
+from lightning_ckpt.engine.model_prep import Prepared, prepare_model
+from lightning_ckpt.engine.step_profile import profile_model
+from lightning_ckpt.engine.target_plan import cost_at as step_cost
+from lightning_ckpt.frontends.loops.auto_checkpoint import CheckpointHandle, auto_checkpoint
 
 if TYPE_CHECKING:
-    from lightning_ckpt.integrations.callback import ActivationCheckpointing
-    from lightning_ckpt.integrations.deepspeed_strategy import DeepSpeedStrategy
+    from lightning_ckpt.frontends.lightning.callback import ActivationCheckpointing
+    from lightning_ckpt.frontends.lightning.deepspeed_strategy import DeepSpeedStrategy
 
 __all__ = [
     "ActivationCheckpointing",
@@ -83,7 +85,7 @@ __all__ = [
     "zero_memory",
 ]
 
-_LAZY = {"ActivationCheckpointing": "lightning_ckpt.integrations.callback", "DeepSpeedStrategy": "lightning_ckpt.integrations.deepspeed_strategy"}
+_LAZY = {"ActivationCheckpointing": "lightning_ckpt.frontends.lightning.callback", "DeepSpeedStrategy": "lightning_ckpt.frontends.lightning.deepspeed_strategy"}
 
 
 def __getattr__(name: str) -> Any:

@@ -18,7 +18,7 @@ _PACKAGE = Path(__file__).resolve().parent
 def preview(config: list[str], overrides: list[str]):
     """Build the run from the config, plan on its first batch, stop: -> (callback, trainer) or None.
     Lightning is imported only here, so `--help` stays fast."""
-    from lightning_ckpt.integrations.preview import plan_preview
+    from lightning_ckpt.frontends.lightning.preview import plan_preview
 
     return plan_preview(config, overrides)
 

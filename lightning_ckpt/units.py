@@ -1,4 +1,4 @@
-"""Parse and validate user-facing sizes: `"6GiB"`, `"300 MiB"`, `"1.5GB"`, `"20G"`, `123456`."""
+"""Sizes in and out: parse `"6GiB"`, `"300 MiB"`, `"1.5GB"`, `"20G"`, `123456`; print bytes as `"1.5 KiB"`."""
 
 from __future__ import annotations
 
@@ -57,3 +57,14 @@ def _under_one_byte(name: str, value: float | str) -> str:
         f"{name}={value!r} is less than one byte; give bytes as a number (e.g. 6 * 2**30) or a string like '6GiB'. "
         "A fraction of the device's memory (such as 0.9) is not supported."
     )
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size: 1536 -> '1.5 KiB'."""
+    sign = "-" if n < 0 else ""
+    n = abs(float(n))
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

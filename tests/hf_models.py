@@ -98,7 +98,7 @@ class StepPeaks(pl.Callback):
         self._ctx = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        from lightning_ckpt.integrations.measured_peak import step_peak
+        from lightning_ckpt.frontends.lightning.measured_peak import step_peak
 
         self._ctx = step_peak(trainer, pl_module, batch)
         self._reading = self._ctx.__enter__()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import math
 
-from lightning_ckpt.planning.costs import StepCost, ckpt_forward_bytes
+from lightning_ckpt.costs.block_costs import StepCost, ckpt_forward_bytes
 from lightning_ckpt.planning.memory_model import (
     PeakBreakdown,
     boundary_shift,

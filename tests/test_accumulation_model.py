@@ -24,9 +24,9 @@ from oracles import all_nested_plans, all_plans
 from test_policies import random_cost
 from torch import nn
 
-from lightning_ckpt.apply import apply_segments
-from lightning_ckpt.planning.costs import BlockCost, StepCost
-from lightning_ckpt.planning.linear_fit import Profile
+from lightning_ckpt.apply.segments import apply_segments
+from lightning_ckpt.costs.block_costs import BlockCost, StepCost
+from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.planning.memory_model import (
     end_need,
     gradients_after,
@@ -36,7 +36,7 @@ from lightning_ckpt.planning.memory_model import (
     step_terms,
 )
 from lightning_ckpt.profiling.batch import tensors_in
-from lightning_ckpt.profiling.profiler import profile_model
+from lightning_ckpt.engine.step_profile import profile_model
 from lightning_ckpt.profiling.static_memory import static_memory
 from lightning_ckpt.profiling.step_peak import state_tensors
 from lightning_ckpt.profiling.tracker import LiveBytesTracker

@@ -18,7 +18,7 @@ from models import (
 )
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_ckpt.apply import apply_segments
+from lightning_ckpt.apply.segments import apply_segments
 
 SEGMENTATIONS = [
     [(0, 0)],

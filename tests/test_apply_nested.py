@@ -15,7 +15,7 @@ from models import TinyCNN, train_steps
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_ckpt.apply import apply_segments
+from lightning_ckpt.apply.segments import apply_segments
 from lightning_ckpt.profiling.tracker import LiveBytesTracker
 
 
@@ -319,8 +319,8 @@ def test_keep_ops_must_name_a_one_block_segment_at_some_level():
 
 
 def test_apply_plan_applies_segments_inner_segments_and_keeps():
-    from lightning_ckpt.apply import apply_plan
-    from lightning_ckpt.planning.costs import BlockCost, StepCost
+    from lightning_ckpt.apply.segments import apply_plan
+    from lightning_ckpt.costs.block_costs import BlockCost, StepCost
     from lightning_ckpt.planning.policies import make_plan
 
     cost = StepCost(blocks=tuple(BlockCost(f"b{i}", 10, 1, output_bytes=1, fwd_flops=1) for i in range(4)), batch_size=1)

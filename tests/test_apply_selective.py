@@ -21,8 +21,8 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
 from examples.train_encoder import EncoderBlock
-from lightning_ckpt.apply import apply_segments
-from lightning_ckpt.apply_selective import _compact, _DrawKeeper, _DrawReplayer
+from lightning_ckpt.apply.segments import apply_segments
+from lightning_ckpt.apply.selective import _compact, _DrawKeeper, _DrawReplayer
 from lightning_ckpt.profiling.op_keys import OpCallCounter, is_random_op
 from lightning_ckpt.profiling.tracker import LiveBytesTracker, storage_bytes, storage_key
 

@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from models import TinyChain, tokens_batch
 
 from lightning_ckpt import auto_checkpoint, make_plan, measure_step_peak
-from lightning_ckpt.apply import apply_segments
+from lightning_ckpt.apply.segments import apply_segments
 from lightning_ckpt.engine.target_plan import cost_at
 from lightning_ckpt.profiling.blocks import resolve_blocks
-from lightning_ckpt.profiling.profiler import profile_model
+from lightning_ckpt.engine.step_profile import profile_model
 from lightning_ckpt.profiling.static_memory import static_memory
 
 N_BLOCKS, D, BATCH = 6, 32, 8

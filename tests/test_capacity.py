@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_ckpt.planning.capacity import largest_batch, plan_if_fits
-from lightning_ckpt.planning.costs import BlockCost, StepCost
+from lightning_ckpt.costs.block_costs import BlockCost, StepCost
 
 
 def cost_at(b: int) -> StepCost:

@@ -22,8 +22,8 @@ from oracles import (
 from test_policies import random_cost, uniform
 
 from lightning_ckpt.planning.chain_planner import solve_chain
-from lightning_ckpt.planning.costs import BlockCost, StepCost
-from lightning_ckpt.planning.machine_rates import MachineRates
+from lightning_ckpt.costs.block_costs import BlockCost, StepCost
+from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.planning.memory_model import predict_peak
 from lightning_ckpt.planning.policies import (
     InfeasibleBudgetError,

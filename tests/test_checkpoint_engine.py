@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from models import TinyChain, tokens_batch
 
 from lightning_ckpt import CheckpointEngine, EngineSettings
-from lightning_ckpt.apply import apply_segments
+from lightning_ckpt.apply.segments import apply_segments
 from lightning_ckpt.profiling.blocks import resolve_blocks
-from lightning_ckpt.profiling.profiler import profile_model
+from lightning_ckpt.engine.step_profile import profile_model
 from lightning_ckpt.profiling.static_memory import static_memory
 
 
@@ -145,7 +145,7 @@ def test_a_plan_made_elsewhere_on_the_blocks_is_refused():
 
 def test_the_model_s_own_checkpointing_kept_in_charge_applies_nothing(monkeypatch):
     """With keep_hf_checkpointing and a model whose own checkpointing is on, plans are made, not applied."""
-    from lightning_ckpt.model_compat import Prepared
+    from lightning_ckpt.engine.model_prep import Prepared
 
     engine, driver = _engine()
     kept = Prepared(hf_checkpointing="every layer", hf_checkpointing_kept=True)

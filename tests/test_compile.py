@@ -19,8 +19,8 @@ from torch._inductor.compile_fx import compile_fx
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ckpt import ActivationCheckpointing
-from lightning_ckpt.apply import apply_segments
-from lightning_ckpt.apply_compiled import apply_compiled_segments, compiled_modules
+from lightning_ckpt.apply.segments import apply_segments
+from lightning_ckpt.apply.compiled import apply_compiled_segments, compiled_modules
 
 pytestmark = pytest.mark.slow
 STEPS = 5
@@ -219,7 +219,7 @@ def _fit(pattern: str, policy: str | None, budget: int | None = None, plan_only:
 @pytest.fixture(scope="module")
 def forced_budget() -> int:
     """Half way between the predicted peaks of `none` and `full`: `optimal` must checkpoint."""
-    from lightning_ckpt.integrations.callback import PlanOnly
+    from lightning_ckpt.frontends.lightning.callback import PlanOnly
 
     seen: list = []
     for policy in ("none", "full"):
@@ -252,7 +252,7 @@ def test_callback_keeps_compile(pattern, policy, forced_budget, reference_losses
 def test_op_level_keeps_under_compile_are_refused_loudly():
     """A plan that keeps op outputs cannot keep them inside a compiled graph: one warning,
     with the way out, and the blocks are checkpointed whole."""
-    from lightning_ckpt.integrations.compiled import apply_plan
+    from lightning_ckpt.frontends.lightning.compiled import apply_plan
     from lightning_ckpt.planning.plan import Plan
 
     net = Net()
@@ -272,7 +272,7 @@ def test_inner_segments_under_compile_are_refused_loudly():
     """A multi-level plan (made before compiling, e.g. resumed) cannot nest regions in a compiled graph:
     one warning with the way out, every block of the segments becomes a one-block region and no inner
     segment is applied; the same plan on the eager blocks keeps its inner segment."""
-    from lightning_ckpt.integrations.compiled import apply_plan
+    from lightning_ckpt.frontends.lightning.compiled import apply_plan
     from lightning_ckpt.planning.plan import Plan
 
     net = Net()

@@ -79,7 +79,7 @@ def _run(wrap, frozen_first: bool = False) -> dict:
 def _worker(rank: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from lightning_ckpt.integrations.strategy_hooks import strategy_static_memory
+    from lightning_ckpt.frontends.lightning.strategy_hooks import strategy_static_memory
     from lightning_ckpt.profiling.static_memory import static_memory
 
     t0 = time.perf_counter()

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from lightning_ckpt import make_plan, measure_step_peak, profile_model, static_memory
-from lightning_ckpt.apply import apply_segments
-from lightning_ckpt.planning.linear_fit import Profile
-from lightning_ckpt.planning.machine_rates import MachineRates
+from lightning_ckpt.apply.segments import apply_segments
+from lightning_ckpt.costs.linear_fit import Profile
+from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.planning.op_options import option_items
 
 TARGET = 16

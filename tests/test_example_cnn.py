@@ -26,8 +26,8 @@ from lightning_ckpt import (  # noqa: E402
     resolve_blocks,
     static_memory,
 )
-from lightning_ckpt.apply import apply_segments  # noqa: E402
-from lightning_ckpt.planning.machine_rates import MachineRates  # noqa: E402
+from lightning_ckpt.apply.segments import apply_segments  # noqa: E402
+from lightning_ckpt.costs.machine_rates import MachineRates  # noqa: E402
 
 CHAIN = ["stem", "layer1.*", "layer2.*", "layer3.*", "layer4.*"]
 TARGET = 32  # small enough that a tracked step takes a fraction of a second

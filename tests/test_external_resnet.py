@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_ckpt import make_plan, measure_step_peak, profile_model, resolve_blocks, static_memory
-from lightning_ckpt.apply import apply_segments
+from lightning_ckpt.apply.segments import apply_segments
 
 monai_nets = pytest.importorskip("monai.networks.nets")
 

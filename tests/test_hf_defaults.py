@@ -15,7 +15,7 @@ from hf_models import LitHF, StepPeaks
 from torch.utils.data import DataLoader
 
 from lightning_ckpt import ActivationCheckpointing
-from lightning_ckpt.model_compat import ModelCompatWarning
+from lightning_ckpt.engine.model_prep import ModelCompatWarning
 
 STEPS, BATCH = 7, 8
 SIZES = {"several_blocks": {}, "nested": {"layers": 8, "seq": 128}}  # long enough that boundaries dominate `full`

@@ -14,8 +14,8 @@ import torch
 from models import MLPBlock, TinyChain, tokens_batch
 from torch import nn
 
-import lightning_ckpt.keep_calibration as calibration
-from lightning_ckpt.keep_calibration import (
+import lightning_ckpt.apply.keep_calibration as calibration
+from lightning_ckpt.apply.keep_calibration import (
     BlockCall,
     calibrated_profile,
     capture_block_calls,
@@ -24,8 +24,8 @@ from lightning_ckpt.keep_calibration import (
     measure_keep_overheads,
     measure_step_blocks,
 )
-from lightning_ckpt.planning.costs import BlockCost, OpCost, StepCost
-from lightning_ckpt.planning.machine_rates import MachineRates
+from lightning_ckpt.costs.block_costs import BlockCost, OpCost, StepCost
+from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.planning.op_options import (
     block_options,
     keep_calibration,
@@ -34,7 +34,8 @@ from lightning_ckpt.planning.op_options import (
     step_options,
 )
 from lightning_ckpt.planning.timing_fit import BlockTiming, fit_op_call_s
-from lightning_ckpt.profiling.profiler import probe_step, profile_model
+from lightning_ckpt.engine.step_profile import profile_model
+from lightning_ckpt.profiling.profiler import probe_step
 
 
 def _chain_loss(model):

@@ -1,9 +1,13 @@
 """Layout rules of the package, read from its source with `ast` (nothing is imported).
 
-No import cycle among the package's modules; Lightning only in `integrations/`;
-DeepSpeed only inside functions of `integrations/`; no torch in `planning/`; nothing in
-`profiling/` or `planning/` imports the modules that apply plans (`apply*`), even inside a
-function: they come later in the pipeline; no module over 450 lines. Each rule is first tried on a small package written to
+The package is the pipeline: each stage a folder, in the order of `STAGES`, and a module may
+import only from its own stage or an earlier one, with every import counted (module level, inside
+functions and methods, under TYPE_CHECKING, `importlib.import_module("...")` with a literal name).
+Since every edge points down the order, no chain of imports leads back up. Also: no import cycle;
+the two front ends (`frontends/lightning`, `frontends/loops`) do not import each other; Lightning
+only in `frontends/lightning/`; DeepSpeed only inside its functions; no torch in `costs/` or
+`planning/`; at the package root only the public face, the CLI and the leaf utilities of
+`ROOT_MODULES`; no module over 450 lines. Each rule is first tried on a small package written to
 `tmp_path`, then the real `lightning_ckpt` is checked.
 """
 
@@ -18,8 +22,14 @@ import pytest
 
 MAX_LINES = 450
 LIGHTNING = {"lightning", "pytorch_lightning"}
-RULES = ("cycle", "lightning", "deepspeed", "torch", "apply", "lines")
-EARLY_STAGES = ("profiling", "planning")  # the stages before a plan is applied
+RULES = ("cycle", "upward", "sides", "root", "lightning", "deepspeed", "torch", "lines")
+# the pipeline, first stage first: shared plain data; measuring a step; choosing what to keep;
+# applying it; the engine that drives those per batch shape; the report; the front ends
+STAGES = ("units", "costs", "profiling", "solvers", "planning", "apply", "engine", "report", "frontends")
+ROOT_MODULES = ("__init__", "__main__", "units")  # the public face, the CLI, one leaf utility
+TOP = len(STAGES)  # the public face and the CLI import from every stage
+FRONT_ENDS = ("frontends.lightning", "frontends.loops")  # side by side: neither imports the other
+PLAIN_DATA = ("costs", "planning")  # no torch
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent / "lightning_ckpt"
 
 
@@ -80,6 +90,11 @@ def import_sites(module: str, path: Path) -> list[ImportSite]:
             for child in node.orelse:
                 visit(child, in_function, type_checking)
             return
+        elif (
+            isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "import_module"
+            and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
+        ):
+            sites.append(ImportSite(node.args[0].value, None, node.lineno, in_function, type_checking))
         inner = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
         for child in ast.iter_child_nodes(node):
             visit(child, inner, type_checking)
@@ -99,12 +114,15 @@ def _resolve(site: ImportSite, modules: dict[str, Path]) -> str | None:
     return None
 
 
-def import_graph(modules: dict[str, Path], sites: dict[str, list[ImportSite]]) -> dict[str, dict[str, int]]:
-    """module -> {imported package module: first line}; TYPE_CHECKING imports and self-imports left out."""
+def import_graph(
+    modules: dict[str, Path], sites: dict[str, list[ImportSite]], type_checking: bool = False
+) -> dict[str, dict[str, int]]:
+    """module -> {imported package module: first line}; self-imports left out, and TYPE_CHECKING
+    imports unless `type_checking` (they never run, so they close no cycle, but they still point)."""
     graph: dict[str, dict[str, int]] = {m: {} for m in modules}
     for module, found in sites.items():
         for site in found:
-            target = None if site.type_checking else _resolve(site, modules)
+            target = None if site.type_checking and not type_checking else _resolve(site, modules)
             if target is not None and target != module:
                 graph[module].setdefault(target, site.line)
     return graph
@@ -174,13 +192,36 @@ def _in(module: str, package: str) -> bool:
     return module == package or module.startswith(package + ".")
 
 
-def _applier(site: ImportSite, modules: dict[str, Path], pkg: str) -> str | None:
-    """The module that applies plans (`pkg.apply`, `pkg.apply_*`) a site imports, if any."""
-    for name in filter(None, (_resolve(site, modules), site.target, f"{site.target}.{site.name}" if site.name else None)):
-        parts = name.split(".")
-        if len(parts) >= 2 and parts[0] == pkg and (parts[1] == "apply" or parts[1].startswith("apply_")):
-            return ".".join(parts[:2])
-    return None
+def stage_of(module: str) -> tuple[int, str]:
+    """(rank in the pipeline, stage name) of a package module; the root's face and CLI rank last."""
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] == "__main__":
+        return TOP, "the package root"
+    if parts[1] in STAGES:
+        return STAGES.index(parts[1]), parts[1]
+    return -1, parts[1]  # not a stage: the "root" rule says so
+
+
+def _side(module: str) -> str | None:
+    rest = module.split(".", 1)[1] if "." in module else ""
+    return next((f for f in FRONT_ENDS if _in(rest, f)), None)
+
+
+def _upward_path(graph: dict[str, dict[str, int]], start: str) -> list[str]:
+    """The import chain from `start` to the highest-ranked module it reaches, for the message."""
+    parent, queue, best = {start: start}, deque([start]), start
+    while queue:
+        node = queue.popleft()
+        if stage_of(node)[0] > stage_of(best)[0]:
+            best = node
+        for nxt in sorted(graph[node]):
+            if nxt not in parent:
+                parent[nxt] = node
+                queue.append(nxt)
+    path = [best]
+    while path[-1] != start:
+        path.append(parent[path[-1]])
+    return path[::-1]
 
 
 def check_package(root: Path) -> list[Violation]:
@@ -189,6 +230,7 @@ def check_package(root: Path) -> list[Violation]:
     modules = module_files(root)
     sites = {m: import_sites(m, path) for m, path in modules.items()}
     graph = import_graph(modules, sites)
+    pointing = import_graph(modules, sites, type_checking=True)
     found = []
     for component in _components(graph):
         cycle = _shortest_cycle(graph, component)
@@ -197,28 +239,50 @@ def check_package(root: Path) -> list[Violation]:
         detail = "import cycle: " + " -> ".join([*hops, cycle[0]])
         found.append(Violation("cycle", tuple(cycle), detail + (f"; also in it: {', '.join(extra)}" if extra else "")))
     for module, path in modules.items():
-        integrations = _in(module, f"{pkg}.integrations")
-        early = any(_in(module, f"{pkg}.{stage}") for stage in EARLY_STAGES)
+        rank, stage = stage_of(module)
+        for target, line in pointing[module].items():
+            target_rank, target_stage = stage_of(target)
+            if rank >= 0 and target_rank > rank:
+                chain = " -> ".join(_upward_path(pointing, target)[1:])
+                found.append(Violation(
+                    "upward", (module,),
+                    f"{module} line {line} imports {target}: {stage} comes before {target_stage} in the pipeline "
+                    f"({' -> '.join(STAGES)}), so it may import only from {stage} or earlier stages; move what it "
+                    f"needs down to {stage} or earlier" + (f" (that module goes on to {chain})" if chain else ""),
+                ))
+            if _side(module) and _side(target) and _side(module) != _side(target):
+                found.append(Violation(
+                    "sides", (module,),
+                    f"{module} line {line} imports {target}: the front ends sit side by side; move what both "
+                    "need into the engine or an earlier stage",
+                ))
+        place = path.relative_to(root).parts
+        if len(place) == 1 and path.stem not in ROOT_MODULES:
+            found.append(Violation(
+                "root", (module,), f"{module} sits at the package root: move it into its stage's folder ({', '.join(STAGES[1:])})"
+            ))
+        elif len(place) > 1 and place[0] not in STAGES:
+            found.append(Violation(
+                "root", (module,),
+                f"{module} is not in a stage folder: put it in one of {', '.join(STAGES[1:])}, or name the new "
+                "stage in STAGES at its place in the pipeline",
+            ))
+        lightning_side = _in(module, f"{pkg}.frontends.lightning")
         for site in sites[module]:
             top = site.target.split(".")[0]
             where = f"{module} line {site.line} imports {site.target}"
-            if top in LIGHTNING and not integrations:
-                found.append(Violation("lightning", (module,), f"{where}: Lightning belongs in {pkg}/integrations/"))
-            if top == "deepspeed" and not (integrations and site.in_function):
-                found.append(Violation("deepspeed", (module,), f"{where}: import it inside a function of {pkg}/integrations/"))
-            if top == "torch" and _in(module, f"{pkg}.planning"):
-                found.append(Violation("torch", (module,), f"{where}: planning works on plain data, without torch"))
-            applier = _applier(site, modules, pkg)
-            if early and applier:
+            if top in LIGHTNING and not lightning_side:
+                found.append(Violation("lightning", (module,), f"{where}: Lightning belongs in {pkg}/frontends/lightning/"))
+            if top == "deepspeed" and not (lightning_side and site.in_function):
                 found.append(Violation(
-                    "apply", (module,),
-                    f"{where}{'' if applier == site.target else f' ({applier})'}: profiling and planning come before "
-                    f"a plan is applied; move the code that needs {applier} to a module beside it",
+                    "deepspeed", (module,), f"{where}: import it inside a function of {pkg}/frontends/lightning/"
                 ))
+            if top == "torch" and any(_in(module, f"{pkg}.{s}") for s in PLAIN_DATA):
+                found.append(Violation("torch", (module,), f"{where}: {stage} works on plain data, without torch"))
         lines = len(path.read_text(encoding="utf-8").splitlines())
         if lines > MAX_LINES:
             found.append(Violation("lines", (module,), f"{module} has {lines} lines, over {MAX_LINES}: split it"))
-    return sorted(dict.fromkeys(found), key=lambda v: (RULES.index(v.rule), v.modules))  # one per statement
+    return sorted(dict.fromkeys(found), key=lambda v: (RULES.index(v.rule), v.modules, v.detail))  # one per statement
 
 
 # ------------------------------------------------------------------ the rules on a package written here
@@ -227,22 +291,32 @@ CLEAN = {
     "__init__.py": (
         "from typing import TYPE_CHECKING\n\n"
         "from lightning_ckpt.planning.plan import Plan\n\n"
-        "if TYPE_CHECKING:\n    from lightning_ckpt.integrations.callback import Callback\n\n\n"
+        "if TYPE_CHECKING:\n    from lightning_ckpt.frontends.lightning.callback import Callback\n\n\n"
         "def __getattr__(name):\n    import importlib\n\n"
-        '    return importlib.import_module("lightning_ckpt.integrations.callback")\n'
+        '    return importlib.import_module("lightning_ckpt.frontends.lightning.callback")\n'
     ),
+    "__main__.py": "def main():\n    from lightning_ckpt.frontends.lightning.callback import pl\n",
     "units.py": "X = 0\n" * MAX_LINES,
+    "costs/__init__.py": "",
+    "costs/block_costs.py": "import dataclasses\n\nfrom lightning_ckpt.units import X\n",
+    "profiling/__init__.py": "",
+    "profiling/tracker.py": "import torch\n\nfrom lightning_ckpt.costs import block_costs\n",
     "planning/__init__.py": "",
     "planning/plan.py": "import math\n\n\nclass Plan:\n    pass\n",
     "planning/policies.py": "import numpy as np\n\nfrom . import plan\nfrom .plan import Plan\n",
-    "profiling/__init__.py": "",
-    "profiling/tracker.py": "import torch\n\nfrom lightning_ckpt.planning import policies\n",
-    "integrations/__init__.py": "",
-    "integrations/callback.py": (
-        "import lightning.pytorch as pl\n\nfrom ..profiling.tracker import torch\n\n\n"
+    "apply/__init__.py": "",
+    "apply/segments.py": "import torch\n\nfrom lightning_ckpt.profiling.tracker import torch as t\nfrom lightning_ckpt.planning import plan\n",
+    "engine/__init__.py": "from lightning_ckpt.engine.checkpoint_engine import Engine\n",
+    "engine/checkpoint_engine.py": "from lightning_ckpt.apply.segments import torch\n\n\nclass Engine:\n    pass\n",
+    "frontends/__init__.py": "",
+    "frontends/loops/__init__.py": "",
+    "frontends/loops/auto.py": "from lightning_ckpt.engine import Engine\n",
+    "frontends/lightning/__init__.py": "",
+    "frontends/lightning/callback.py": (
+        "import lightning.pytorch as pl\n\nfrom lightning_ckpt.engine import Engine\n\n\n"
         "def setup():\n    import deepspeed\n\n    return deepspeed\n"
     ),
-    "integrations/strategy.py": (
+    "frontends/lightning/strategy.py": (
         "from pytorch_lightning.strategies import Strategy\n\n\n"
         "class DeepSpeed(Strategy):\n    def setup(self):\n        from deepspeed import initialize\n"
     ),
@@ -258,31 +332,27 @@ def write_package(tmp_path: Path, **changes: str) -> Path:
     return root
 
 
+def _rules(root: Path) -> list[tuple[str, tuple[str, ...]]]:
+    return [(v.rule, v.modules) for v in check_package(root)]
+
+
 def test_clean_package_has_no_violations(tmp_path):
-    """TYPE_CHECKING and importlib imports, lazy deepspeed and Lightning in integrations, 450 lines."""
+    """Imports down the stages, TYPE_CHECKING and importlib imports at the root, lazy deepspeed and
+    Lightning in frontends/lightning, 450 lines."""
     assert check_package(write_package(tmp_path)) == []
 
 
 def test_module_names_and_relative_imports(tmp_path):
     root = write_package(tmp_path)
     modules = module_files(root)
-    assert set(modules) == {
-        "lightning_ckpt",
-        "lightning_ckpt.units",
-        "lightning_ckpt.planning",
-        "lightning_ckpt.planning.plan",
-        "lightning_ckpt.planning.policies",
-        "lightning_ckpt.profiling",
-        "lightning_ckpt.profiling.tracker",
-        "lightning_ckpt.integrations",
-        "lightning_ckpt.integrations.callback",
-        "lightning_ckpt.integrations.strategy",
-    }
+    assert {"lightning_ckpt", "lightning_ckpt.units", "lightning_ckpt.planning.policies",
+            "lightning_ckpt.frontends.lightning.callback"} <= set(modules)
     graph = import_graph(modules, {m: import_sites(m, p) for m, p in modules.items()})
-    assert graph["lightning_ckpt"] == {"lightning_ckpt.planning.plan": 3}  # the TYPE_CHECKING one is left out
+    # the TYPE_CHECKING one is left out; the importlib one counts
+    assert graph["lightning_ckpt"] == {"lightning_ckpt.planning.plan": 3, "lightning_ckpt.frontends.lightning.callback": 12}
     assert graph["lightning_ckpt.planning.policies"] == {"lightning_ckpt.planning.plan": 3}
-    assert graph["lightning_ckpt.profiling.tracker"] == {"lightning_ckpt.planning.policies": 3}
-    assert graph["lightning_ckpt.integrations.callback"] == {"lightning_ckpt.profiling.tracker": 3}
+    assert graph["lightning_ckpt.profiling.tracker"] == {"lightning_ckpt.costs.block_costs": 3}
+    assert graph["lightning_ckpt.frontends.loops.auto"] == {"lightning_ckpt.engine": 1}
 
 
 BACK_EDGES = {
@@ -303,9 +373,12 @@ def test_cycle_through_a_function_level_import(tmp_path, back_edge):
 
 
 def test_cycle_of_three_reports_each_module(tmp_path):
-    root = write_package(tmp_path, planning__plan="from lightning_ckpt.profiling.tracker import torch\n")
-    assert [v.modules for v in check_package(root)] == [
-        ("lightning_ckpt.planning.plan", "lightning_ckpt.profiling.tracker", "lightning_ckpt.planning.policies")
+    root = write_package(
+        tmp_path, planning__plan="from lightning_ckpt.planning.tables import X\n",
+        planning__tables="from lightning_ckpt.planning.policies import np\n",
+    )
+    assert [v.modules for v in check_package(root) if v.rule == "cycle"] == [
+        ("lightning_ckpt.planning.plan", "lightning_ckpt.planning.tables", "lightning_ckpt.planning.policies")
     ]
 
 
@@ -313,86 +386,99 @@ def test_cycle_of_three_reports_each_module(tmp_path):
     "text",
     [
         "if TYPE_CHECKING:\n    from .policies import np\n",
-        "import importlib\n\nP = importlib.import_module('lightning_ckpt.planning.policies')\n",
         "from lightning_ckpt.planning import plan\n",  # imports itself: not a cycle
     ],
-    ids=["type_checking", "importlib", "self"],
+    ids=["type_checking", "self"],
 )
 def test_not_a_cycle(tmp_path, text):
     assert check_package(write_package(tmp_path, planning__plan=text)) == []
 
 
 @pytest.mark.parametrize(
-    ("text", "cycle"),
+    ("module", "text", "target"),
     [
-        ("import lightning_ckpt.units\n", False),
-        ("from lightning_ckpt import units\n", False),
-        ("from lightning_ckpt import planning\n", False),
-        ("from lightning_ckpt import Plan\n", True),
+        # module level, in a function, in a method, under TYPE_CHECKING, through importlib, relative
+        ("profiling__tracker", "from lightning_ckpt.planning.plan import Plan\n", "lightning_ckpt.planning.plan"),
+        ("profiling__tracker", "def f():\n    from lightning_ckpt.apply.segments import t\n", "lightning_ckpt.apply.segments"),
+        ("planning__plan", "class P:\n    def f(self):\n        import lightning_ckpt.apply.segments\n",
+         "lightning_ckpt.apply.segments"),
+        ("costs__block_costs", "if TYPE_CHECKING:\n    from lightning_ckpt.profiling.tracker import torch\n",
+         "lightning_ckpt.profiling.tracker"),
+        ("apply__segments", "import importlib\n\nE = importlib.import_module('lightning_ckpt.engine.checkpoint_engine')\n",
+         "lightning_ckpt.engine.checkpoint_engine"),
+        ("planning__plan", "def f():\n    from ..profiling import tracker\n", None),  # planning -> profiling is down
+        ("engine__checkpoint_engine", "def f():\n    from ..frontends.loops import auto\n", "lightning_ckpt.frontends.loops.auto"),
+        ("planning__plan", "def f():\n    from lightning_ckpt import Plan\n", "lightning_ckpt"),  # the face is the top
+    ],
+    ids=["module_level", "function", "method", "type_checking", "importlib", "downward", "relative", "root_face"],
+)
+def test_an_import_up_the_pipeline_fails(tmp_path, module, text, target):
+    violations = [v for v in check_package(write_package(tmp_path, **{module: text})) if v.rule == "upward"]
+    if target is None:
+        assert violations == []
+        return
+    assert [v.modules for v in violations] == [("lightning_ckpt." + module.replace("__", "."),)]
+    assert f"imports {target}:" in str(violations[0]) and "comes before" in str(violations[0])
+
+
+def test_an_upward_import_names_where_the_chain_goes(tmp_path):
+    """costs -> profiling is upward; the message follows profiling's own imports to the highest stage."""
+    root = write_package(
+        tmp_path, costs__block_costs="from lightning_ckpt.profiling import tracker\n",
+        profiling__tracker="def f():\n    from lightning_ckpt.engine.checkpoint_engine import Engine\n",
+    )
+    upward = [v for v in check_package(root) if v.rule == "upward"]
+    assert [v.modules for v in upward] == [("lightning_ckpt.costs.block_costs",), ("lightning_ckpt.profiling.tracker",)]
+    assert "goes on to lightning_ckpt.engine.checkpoint_engine" in str(upward[0])
+
+
+def test_the_front_ends_do_not_import_each_other(tmp_path):
+    root = write_package(tmp_path, frontends__loops__auto="def f():\n    from lightning_ckpt.frontends.lightning import callback\n")
+    assert _rules(root) == [("sides", ("lightning_ckpt.frontends.loops.auto",))]
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "expected"),
+    [
+        ("report", "X = 1\n", [("root", ("lightning_ckpt.report",))]),  # a module at the root, not a stage
+        ("extras__tool", "X = 1\n", [("root", ("lightning_ckpt.extras.tool",))]),  # a folder that is no stage
     ],
 )
-def test_only_a_name_from_a_package_is_an_edge_to_its_init(tmp_path, text, cycle):
-    """lightning_ckpt/__init__.py imports planning.plan: only `from lightning_ckpt import Plan` closes a cycle."""
-    violations = check_package(write_package(tmp_path, planning__plan=text))
-    assert [v.modules for v in violations] == ([("lightning_ckpt", "lightning_ckpt.planning.plan")] if cycle else [])
+def test_only_the_face_the_cli_and_leaf_utilities_at_the_root(tmp_path, name, text, expected):
+    assert _rules(write_package(tmp_path, **{name: text})) == expected
 
 
 @pytest.mark.parametrize("text", ["import lightning\n", "def f():\n    from pytorch_lightning import Trainer\n"])
-def test_lightning_outside_integrations(tmp_path, text):
-    violations = check_package(write_package(tmp_path, report=text))
-    assert [(v.rule, v.modules) for v in violations] == [("lightning", ("lightning_ckpt.report",))]
-    assert "Lightning belongs in lightning_ckpt/integrations/" in str(violations[0])
+def test_lightning_outside_its_front_end(tmp_path, text):
+    violations = check_package(write_package(tmp_path, frontends__loops__auto=text))
+    assert [(v.rule, v.modules) for v in violations] == [("lightning", ("lightning_ckpt.frontends.loops.auto",))]
+    assert "Lightning belongs in lightning_ckpt/frontends/lightning/" in str(violations[0])
 
 
 @pytest.mark.parametrize(
     ("module", "text"),
     [
-        ("integrations__callback", "import deepspeed\n"),
-        ("integrations__callback", "class S:\n    from deepspeed import initialize\n"),
-        ("apply", "def f():\n    import deepspeed.comm\n"),
+        ("frontends__lightning__callback", "import deepspeed\n"),
+        ("frontends__lightning__callback", "class S:\n    from deepspeed import initialize\n"),
+        ("apply__segments", "def f():\n    import deepspeed.comm\n"),
     ],
 )
-def test_deepspeed_outside_functions_of_integrations(tmp_path, module, text):
+def test_deepspeed_outside_functions_of_the_lightning_front_end(tmp_path, module, text):
     violations = check_package(write_package(tmp_path, **{module: text}))
     assert [(v.rule, v.modules) for v in violations] == [("deepspeed", ("lightning_ckpt." + module.replace("__", "."),))]
 
 
 @pytest.mark.parametrize(
-    "text",
-    ["import torch\n", "def f():\n    from torch import nn\n", "if TYPE_CHECKING:\n    import torch.nn\n"],
-)
-def test_torch_in_planning(tmp_path, text):
-    violations = check_package(write_package(tmp_path, planning__capacity=text))
-    assert [(v.rule, v.modules) for v in violations] == [("torch", ("lightning_ckpt.planning.capacity",))]
-
-
-@pytest.mark.parametrize(
     ("module", "text"),
     [
-        ("profiling__tracker", "import torch\n\n\ndef f():\n    from lightning_ckpt.apply import apply_segments\n"),
-        ("profiling__tracker", "import torch\n\nfrom lightning_ckpt import apply_selective\n"),
-        ("planning__plan", "import lightning_ckpt.apply\n"),
-        ("planning__plan", "from ..apply_compiled import x\n"),
+        ("planning__capacity", "import torch\n"),
+        ("planning__capacity", "def f():\n    from torch import nn\n"),
+        ("costs__block_costs", "if TYPE_CHECKING:\n    import torch.nn\n"),
     ],
 )
-def test_apply_from_profiling_or_planning(tmp_path, module, text):
-    root = write_package(tmp_path, **{module: text}, apply="X = 1\n", apply_selective="X = 1\n")
-    violations = [v for v in check_package(root) if v.rule == "apply"]
-    assert [v.modules for v in violations] == [("lightning_ckpt." + module.replace("__", "."),)]
-    assert "profiling and planning come before a plan is applied" in str(violations[0])
-
-
-def test_apply_from_later_stages_and_look_alikes_is_fine(tmp_path):
-    """integrations and top-level modules may apply plans; `applied_marks` is not `apply*`."""
-    root = write_package(
-        tmp_path,
-        apply="X = 1\n",
-        keep_calibration="from lightning_ckpt.apply import X\n",
-        integrations__callback="import lightning.pytorch as pl\n\nfrom lightning_ckpt.apply import X\n",
-        profiling__applied_marks="X = 1\n",
-        profiling__tracker="import torch\n\nfrom lightning_ckpt.profiling.applied_marks import X\n",
-    )
-    assert check_package(root) == []
+def test_torch_in_the_plain_data_stages(tmp_path, module, text):
+    violations = check_package(write_package(tmp_path, **{module: text}))
+    assert [(v.rule, v.modules) for v in violations] == [("torch", ("lightning_ckpt." + module.replace("__", "."),))]
 
 
 def test_module_over_450_lines(tmp_path):
@@ -408,3 +494,10 @@ def test_module_over_450_lines(tmp_path):
 def test_lightning_ckpt_follows_the_layout_rules(rule):
     violations = [v for v in check_package(PACKAGE_ROOT) if v.rule == rule]
     assert not violations, "\n".join(map(str, violations))
+
+
+def test_lightning_ckpt_is_laid_out_as_the_pipeline():
+    """Every folder of the package is a stage of STAGES, and the root holds only ROOT_MODULES."""
+    folders = {p.name for p in PACKAGE_ROOT.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == set(STAGES) - {"units"}
+    assert {p.stem for p in PACKAGE_ROOT.glob("*.py")} == set(ROOT_MODULES)

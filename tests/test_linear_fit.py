@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from lightning_ckpt.planning.costs import BlockCost, OpCost, StepCost
-from lightning_ckpt.planning.linear_fit import Profile
+from lightning_ckpt.costs.block_costs import BlockCost, OpCost, StepCost
+from lightning_ckpt.costs.linear_fit import Profile
 
 
 def _step(batch: int, ops: tuple[OpCost, ...]) -> StepCost:
@@ -58,7 +58,7 @@ def test_ops_round_trip_through_dicts():
 
 
 def test_keep_savings_follow_a_line_that_may_go_below_zero():
-    """Measured savings of keeping (`lightning_ckpt.keep_calibration`) are fitted like `fwd_ms`, but
+    """Measured savings of keeping (`lightning_ckpt.apply.keep_calibration`) are fitted like `fwd_ms`, but
     not clamped at 0: a negative saving says keeping loses time. One probe without them: None."""
     import dataclasses
 
@@ -80,8 +80,8 @@ def test_keep_savings_follow_a_line_that_may_go_below_zero():
 def test_a_smallest_slice_unlike_the_batch_is_left_out_of_the_line():
     """Batch 1 runs other code (its one sample has no padding, so no mask is built): the line through
     batches 1 and 2 misses the check at 4, and the line through 2 and 4 is used instead."""
-    from lightning_ckpt.planning.costs import BlockCost, StepCost
-    from lightning_ckpt.planning.linear_fit import refit_without_smallest
+    from lightning_ckpt.costs.block_costs import BlockCost, StepCost
+    from lightning_ckpt.costs.linear_fit import refit_without_smallest
 
     def step(b, pre):
         return StepCost(blocks=(BlockCost("b0", saved_bytes=100 * b, input_bytes=10 * b),), batch_size=b, pre_saved_bytes=pre)
@@ -102,7 +102,7 @@ def _scratch_step(b: int, scratch: int, carried: int = 0) -> StepCost:
 def test_backward_scratch_off_the_line_at_batch_one_refits_and_says_so():
     """Every size the memory model holds is checked, not only saved and boundary bytes: a block's
     backward scratch at batch 1 (attention dropout's, in a ViT) off the line leaves batch 1 out."""
-    from lightning_ckpt.planning.linear_fit import refit_without_smallest, relative_miss
+    from lightning_ckpt.costs.linear_fit import refit_without_smallest, relative_miss
 
     odd = Profile(probes=(_scratch_step(1, 300), _scratch_step(2, 400)), check=_scratch_step(4, 800))
     assert relative_miss(odd.at(4), odd.check) > 0.1
@@ -124,7 +124,7 @@ def test_backward_scratch_off_the_line_at_batch_one_refits_and_says_so():
 def test_a_few_bytes_off_the_line_do_not_refit():
     """A field of a few bytes (the loss's own gradient among the carried ones) is measured against a
     hundredth of the step's activation bytes, not against itself."""
-    from lightning_ckpt.planning.linear_fit import refit_without_smallest, relative_miss
+    from lightning_ckpt.costs.linear_fit import refit_without_smallest, relative_miss
 
     def step(b, carried):
         block = BlockCost("b0", saved_bytes=100_000 * b, input_bytes=1000 * b, carried_bwd_bytes=carried)

@@ -10,7 +10,7 @@ from lightning.pytorch.utilities import CombinedLoader
 from lit_models import LitChain, TokenData, make_trainer
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from lightning_ckpt.integrations.loader_batch_size import (
+from lightning_ckpt.frontends.lightning.loader_batch_size import (
     check_first_batch,
     set_loader_batch_size,
     train_dataset_len,

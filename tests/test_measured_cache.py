@@ -9,14 +9,14 @@ import torch
 from models import TinyChain, tokens_batch
 from torch import nn
 
-import lightning_ckpt.keep_calibration as calibration
+import lightning_ckpt.apply.keep_calibration as calibration
 import lightning_ckpt.profiling.rates as rates_module
-from lightning_ckpt.keep_calibration import calibrated_profile
-from lightning_ckpt.planning.machine_rates import MachineRates
+from lightning_ckpt.apply.keep_calibration import calibrated_profile
+from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.planning.timing_fit import BlockTiming
 from lightning_ckpt.profiling import measured_cache
 from lightning_ckpt.profiling.measured_cache import CACHE_ENV, REMEASURE_ENV, cache_dir, kept, machine_key
-from lightning_ckpt.profiling.profiler import profile_model
+from lightning_ckpt.engine.step_profile import profile_model
 from lightning_ckpt.profiling.rates import kept_rates
 
 

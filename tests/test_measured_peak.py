@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_ckpt.integrations.measured_peak import fit_memory, should_measure, step_peak, summary
+from lightning_ckpt.frontends.lightning.measured_peak import fit_memory, should_measure, step_peak, summary
 from lightning_ckpt.profiling import allocator
-from lightning_ckpt.planning.plan import format_bytes
+from lightning_ckpt.units import format_bytes
 
 
 def _trainer(device="cpu", optimizers=()):
@@ -120,7 +120,7 @@ def test_cuda_reading_has_max_allocated_and_max_reserved():
 
 
 def test_a_measured_peak_over_the_budget_is_a_warning_with_both_numbers():
-    from lightning_ckpt.integrations.measured_peak import PeakReading, over_budget
+    from lightning_ckpt.frontends.lightning.measured_peak import PeakReading, over_budget
     from lightning_ckpt.planning.plan import Plan
 
     plan = Plan(

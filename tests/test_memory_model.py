@@ -29,8 +29,8 @@ from hypothesis import strategies as st
 from oracles import all_plans, walk_peak
 from torch import nn
 
-from lightning_ckpt.apply import apply_segments
-from lightning_ckpt.planning.costs import BlockCost, StepCost
+from lightning_ckpt.apply.segments import apply_segments
+from lightning_ckpt.costs.block_costs import BlockCost, StepCost
 from lightning_ckpt.planning.memory_model import (
     boundary_shift,
     boundary_shifts,

@@ -16,15 +16,9 @@ from torch.utils.checkpoint import CheckpointError
 from zoo_models import ZOO, ZooModel, llama, lora_llama, t5
 
 from lightning_ckpt import apply_segments
-from lightning_ckpt.model_compat import (
-    ModelCompatWarning,
-    RecomputeMismatchError,
-    explain_checkpoint_error,
-    explained_checkpoint_errors,
-    forward_hazards,
-    live_bytes_per_step,
-    prepare_model,
-)
+from lightning_ckpt.apply.recompute_errors import RecomputeMismatchError, explain_checkpoint_error, explained_checkpoint_errors
+from lightning_ckpt.engine.model_prep import ModelCompatWarning, prepare_model
+from lightning_ckpt.profiling.forward_hazards import forward_hazards, live_bytes_per_step
 
 pytest.importorskip("transformers")
 STEPS = 7

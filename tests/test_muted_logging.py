@@ -5,7 +5,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 
-from lightning_ckpt.integrations.muted_logging import muted_logging
+from lightning_ckpt.frontends.lightning.muted_logging import muted_logging
 
 
 class Logs(pl.LightningModule):

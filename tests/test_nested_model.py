@@ -20,8 +20,8 @@ from oracles import all_nested_plans
 from test_memory_model import make_relu_chain
 from torch import nn
 
-from lightning_ckpt.apply import apply_segments
-from lightning_ckpt.planning.costs import BlockCost, StepCost
+from lightning_ckpt.apply.segments import apply_segments
+from lightning_ckpt.costs.block_costs import BlockCost, StepCost
 from lightning_ckpt.planning.memory_model import predict_peak, step_terms
 from lightning_ckpt.planning.nested_model import (
     depth_of,

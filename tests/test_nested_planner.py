@@ -15,7 +15,7 @@ import random
 import pytest
 from oracles import all_nested_plans, brute_force_nested
 
-from lightning_ckpt.planning.costs import BlockCost, StepCost
+from lightning_ckpt.costs.block_costs import BlockCost, StepCost
 from lightning_ckpt.planning.memory_model import base_bytes, predict_peak
 from lightning_ckpt.planning.nested_model import depth_of
 from lightning_ckpt.planning.nested_planner import NESTED_MAX_BLOCKS, solve_nested, solve_nested_levels

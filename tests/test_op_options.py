@@ -11,7 +11,7 @@ from test_chain_planner import BEAMS, NS_RATES, rich_cost, with_work
 from test_policies import random_cost
 
 from lightning_ckpt.planning.chain_planner import solve_chain
-from lightning_ckpt.planning.costs import BlockCost, OpCost, StepCost
+from lightning_ckpt.costs.block_costs import BlockCost, OpCost, StepCost
 from lightning_ckpt.planning.memory_model import predict_peak
 from lightning_ckpt.planning.op_options import (
     OpOption,
@@ -341,7 +341,7 @@ def test_keeping_costs_its_fixed_overhead_and_draws_their_copies():
     """In `time`, an option pays per op call of its block for the dispatch modes (more when it
     keeps other calls than draws), and a kept draw pays for storing and writing back its mask;
     a block whose calls are too cheap to be worth that has no options."""
-    from lightning_ckpt.planning.machine_rates import MachineRates
+    from lightning_ckpt.costs.machine_rates import MachineRates
     from lightning_ckpt.planning.op_options import kept_value, op_value
 
     draw = OpCost("aten.bernoulli_.float", 0, keep_bytes=1000, saved=True, keepable=True, rng_bytes=4000)

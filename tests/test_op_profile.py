@@ -19,10 +19,11 @@ from torch.utils.checkpoint import (
 from torch.utils.flop_counter import FlopCounterMode
 
 from examples.train_encoder import EncoderClassifier
-from lightning_ckpt.planning.costs import StepCost
+from lightning_ckpt.costs.block_costs import StepCost
 from lightning_ckpt.profiling.op_bytes import OpBytesCounter
 from lightning_ckpt.profiling.op_profile import OpProfileRecorder, written_args
-from lightning_ckpt.profiling.profiler import probe_step, profile_model
+from lightning_ckpt.engine.step_profile import profile_model
+from lightning_ckpt.profiling.profiler import probe_step
 from lightning_ckpt.profiling.tracker import storage_key
 
 D = 16  # width of the hand-written blocks

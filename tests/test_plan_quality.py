@@ -27,8 +27,8 @@ from lightning_ckpt import (
     resolve_blocks,
     static_memory,
 )
-from lightning_ckpt.apply import apply_segments
-from lightning_ckpt.planning.machine_rates import MachineRates
+from lightning_ckpt.apply.segments import apply_segments
+from lightning_ckpt.costs.machine_rates import MachineRates
 
 TARGET = 8
 # The `time` metric's rates, fixed (what `profile_model` measured with timing on, on the 2-core

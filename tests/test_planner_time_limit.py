@@ -13,7 +13,7 @@ from test_policies import random_cost
 
 from lightning_ckpt.planning import chain_planner
 from lightning_ckpt.planning.chain_planner import solve_chain
-from lightning_ckpt.planning.costs import BlockCost, StepCost
+from lightning_ckpt.costs.block_costs import BlockCost, StepCost
 from lightning_ckpt.planning.memory_model import predict_peak
 from lightning_ckpt.planning.op_options import validate_keeps
 from lightning_ckpt.planning.plan import Plan

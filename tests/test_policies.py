@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracles import brute_force
 
-from lightning_ckpt.planning.costs import BlockCost, StepCost
+from lightning_ckpt.costs.block_costs import BlockCost, StepCost
 from lightning_ckpt.planning.memory_model import predict_peak
 from lightning_ckpt.planning.policies import (
     InfeasibleBudgetError,
@@ -259,7 +259,7 @@ def test_time_metric_on_identical_blocks_plans_exactly_like_flops(frac):
     """Identical blocks cost the same under both metrics up to a factor, so the plans must be
     the same, tie-breaks included: time costs are summed exactly (whole nanoseconds), not in
     floats where 0.1 + 0.2 != 0.3 would decide between plans of equal cost."""
-    from lightning_ckpt.planning.machine_rates import MachineRates
+    from lightning_ckpt.costs.machine_rates import MachineRates
 
     base = uniform(48)
     blocks = tuple(BlockCost(**{**b.__dict__, "fwd_mem_bytes": 3 * MiB, "fwd_rng_bytes": MiB // 3}) for b in base.blocks)
@@ -275,7 +275,7 @@ def test_time_metric_on_identical_blocks_plans_exactly_like_flops(frac):
 
 
 def test_plan_table_shows_the_metric_and_estimated_time_and_roundtrips():
-    from lightning_ckpt.planning.machine_rates import MachineRates
+    from lightning_ckpt.costs.machine_rates import MachineRates
     from lightning_ckpt.planning.plan import Plan
 
     base = uniform(6)

@@ -23,7 +23,7 @@ from lit_models import (
 )
 
 from lightning_ckpt import ActivationCheckpointing
-from lightning_ckpt.integrations.profile_step import probe_sizes
+from lightning_ckpt.frontends.lightning.profile_step import probe_sizes
 from lightning_ckpt.planning.policies import make_plan
 
 
@@ -124,7 +124,7 @@ def test_max_batch_leaves_rng_as_found_and_trains_as_a_plain_run(budget, monkeyp
     """target_batch_size='max' looks at one batch of a loader that shuffles with torch's generator,
     with dropout on: that look leaves torch's RNG as found, training starts from the RNG state of a
     run without the callback at the batch size chosen, and its losses are that run's."""
-    from lightning_ckpt.integrations import loader_batch_size
+    from lightning_ckpt.frontends.lightning import loader_batch_size
 
     looks = []
     first_train_batch = loader_batch_size.first_train_batch

@@ -21,7 +21,8 @@ from models import (
 )
 
 from lightning_ckpt.profiling.batch import batch_size_of, slice_batch
-from lightning_ckpt.profiling.profiler import probe_step, profile_model
+from lightning_ckpt.engine.step_profile import profile_model
+from lightning_ckpt.profiling.profiler import probe_step
 from lightning_ckpt.profiling.state import preserved_rng, preserved_state, unchanged_parameters
 
 
@@ -275,7 +276,7 @@ def test_a_long_skip_and_a_module_between_blocks_are_carried():
 
 
 def test_predicted_whole_step_peaks_of_the_skip_chain_are_exact():
-    from lightning_ckpt.apply import apply_segments
+    from lightning_ckpt.apply.segments import apply_segments
     from lightning_ckpt.planning.memory_model import predict_peak
     from lightning_ckpt.profiling.step_peak import measure_step_peak
 
@@ -341,8 +342,8 @@ def test_sharded_blocks_run_the_same_passes_whatever_their_bytes(monkeypatch, sh
     slice twice the check (and times the promoted check). Sharded blocks gather their parameters in
     every forward, so every rank must run the same passes: the probes and the check only, timed."""
     import lightning_ckpt.profiling.profiler as profiler
-    from lightning_ckpt.planning.costs import BlockCost, StepCost
-    from lightning_ckpt.planning.machine_rates import MachineRates
+    from lightning_ckpt.costs.block_costs import BlockCost, StepCost
+    from lightning_ckpt.costs.machine_rates import MachineRates
 
     def fake_probe(model, blocks, step_fn, batch, names=None, timing=True):
         b = batch_size_of(batch)

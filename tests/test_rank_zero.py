@@ -12,7 +12,7 @@ from lightning_ckpt.engine.rank_zero import (
     PlanningOutcome,
     plan_on_rank_zero,
 )
-from lightning_ckpt.planning.costs import BlockCost, StepCost
+from lightning_ckpt.costs.block_costs import BlockCost, StepCost
 from lightning_ckpt.planning.policies import InfeasibleBudgetError, make_plan
 
 INFEASIBLE = f"{InfeasibleBudgetError.__module__}.InfeasibleBudgetError"  # its name as it crosses ranks

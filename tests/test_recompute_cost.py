@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from lightning_ckpt.planning.costs import BlockCost, OpCost, StepCost
-from lightning_ckpt.planning.machine_rates import MachineRates
+from lightning_ckpt.costs.block_costs import BlockCost, OpCost, StepCost
+from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.planning.recompute_cost import (
     block_recompute,
     op_calls,

@@ -10,18 +10,12 @@ import numpy as np
 import pytest
 from test_capacity import cost_at
 
-from lightning_ckpt.planning.costs import StepCost
+from lightning_ckpt.costs.block_costs import StepCost
 from lightning_ckpt.planning.policies import InfeasibleBudgetError, make_plan
-import lightning_ckpt.report as report
-from lightning_ckpt.report import (
-    REPORT_PNG,
-    plot_tradeoff,
-    tradeoff_curve,
-    tradeoff_figure,
-    wait_for_plots,
-    write_json,
-    write_report,
-)
+import lightning_ckpt.report.files as report
+from lightning_ckpt.report.files import REPORT_PNG, wait_for_plots, write_json, write_report
+from lightning_ckpt.report.plot import plot_tradeoff, tradeoff_figure
+from lightning_ckpt.report.tradeoff import tradeoff_curve
 
 
 def test_curve_is_monotone_and_between_full_and_none():
@@ -74,8 +68,8 @@ def test_a_plot_drawn_in_the_background_is_the_plot_drawn_in_place(tmp_path, mon
 
 def test_plot_axis_follows_the_cost_metric(tmp_path):
     """With cost_metric='time' the curve and the chosen plan are in estimated ms, not GFLOP."""
-    from lightning_ckpt.planning.costs import StepCost
-    from lightning_ckpt.planning.machine_rates import MachineRates
+    from lightning_ckpt.costs.block_costs import StepCost
+    from lightning_ckpt.costs.machine_rates import MachineRates
 
     cost = cost_at(8)
     rates = MachineRates(flop_per_s=1e11, mem_byte_per_s=1e10, rng_byte_per_s=1e9)
@@ -103,7 +97,7 @@ def test_callback_without_logger_writes_report_under_default_root_dir(tmp_path, 
     from lit_models import LitChain, TokenData
 
     from lightning_ckpt import ActivationCheckpointing
-    from lightning_ckpt.report import REPORT_JSON, REPORT_PNG
+    from lightning_ckpt.report.files import REPORT_JSON, REPORT_PNG
 
     root, cwd = tmp_path / "root", tmp_path / "cwd"
     cwd.mkdir()
@@ -124,7 +118,7 @@ def test_callback_without_logger_writes_report_under_default_root_dir(tmp_path, 
 
 def test_write_report_without_cost_writes_only_the_json(tmp_path):
     """A plan resumed without its cost has no curve to draw: the JSON alone is written."""
-    from lightning_ckpt.report import REPORT_JSON, REPORT_PNG, write_report
+    from lightning_ckpt.report.files import REPORT_JSON, REPORT_PNG, write_report
 
     cost = cost_at(8)
     plan = make_plan(cost, "full")
@@ -173,7 +167,7 @@ def test_figure_draws_the_multi_level_curve_below_the_full_peak(n_blocks):
 
 
 def _with_ops(cost: StepCost) -> StepCost:
-    from lightning_ckpt.planning.costs import OpCost
+    from lightning_ckpt.costs.block_costs import OpCost
 
     ops = tuple(OpCost(op="aten.mm.default", call_index=k, keep_bytes=64, saved=True, keepable=True) for k in range(3))
     return dataclasses.replace(cost, blocks=tuple(dataclasses.replace(b, ops=ops) for b in cost.blocks))
@@ -182,7 +176,7 @@ def _with_ops(cost: StepCost) -> StepCost:
 def test_json_leaves_the_per_op_records_out_unless_asked(tmp_path):
     """By default the JSON has every block's costs but not its per-op records (most of the bytes on
     a real model); `full=True` keeps them. Both forms read back with `from_dict`."""
-    from lightning_ckpt.planning.linear_fit import Profile
+    from lightning_ckpt.costs.linear_fit import Profile
 
     cost = _with_ops(cost_at(8))
     profile = Profile(probes=(_with_ops(cost_at(1)), _with_ops(cost_at(2))), check=_with_ops(cost_at(4)))
@@ -225,7 +219,7 @@ def _gap(box, point) -> float:
 def test_every_baseline_is_labelled_at_its_marker(n_blocks):
     """Each baseline's label is anchored at its marker and lies beside it (within a few points), or,
     when the markers crowd, on a leader line; no two labels overlap; markers at one point share a label."""
-    from lightning_ckpt.report import baseline_points
+    from lightning_ckpt.report.tradeoff import baseline_points
 
     cost = StepCost(blocks=cost_at(8).blocks[:1] * n_blocks, batch_size=8, static_bytes=1000)
     budget = (make_plan(cost, "none").predicted_peak_bytes + make_plan(cost, "full").predicted_peak_bytes) // 2

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_ckpt.integrations.resume import (
+from lightning_ckpt.frontends.lightning.resume import (
     block_signature,
     callback_state,
     resumed_plan,
 )
-from lightning_ckpt.planning.costs import BlockCost, StepCost
+from lightning_ckpt.costs.block_costs import BlockCost, StepCost
 from lightning_ckpt.planning.policies import make_plan
 
 BLOCKS = [torch.nn.Linear(4, 4) for _ in range(3)]

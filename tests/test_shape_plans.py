@@ -9,7 +9,7 @@ import torch
 from test_shape_profile import _profile
 
 from lightning_ckpt.planning.policies import make_plan
-from lightning_ckpt.shape_plans import BUCKET, ShapePlans, same_regions, sample_key
+from lightning_ckpt.engine.shape_plans import BUCKET, ShapePlans, same_regions, sample_key
 from lightning_ckpt.profiling.shapes import shape_of, slice_length, varying_positions
 
 

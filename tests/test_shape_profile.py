@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_ckpt.planning.costs import BlockCost, StepCost
-from lightning_ckpt.planning.linear_fit import Profile
+from lightning_ckpt.costs.block_costs import BlockCost, StepCost
+from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.planning.shape_profile import FIT_TOLERANCE, ShapeProfile, fit_costs
 
 
@@ -97,7 +97,7 @@ def test_with_profile_adds_in_order_and_round_trips():
 
 
 def test_ops_differing_between_lengths_give_no_op_options():
-    from lightning_ckpt.planning.costs import OpCost
+    from lightning_ckpt.costs.block_costs import OpCost
 
     a, b = _step(4, 32), _step(4, 64)
     op = OpCost("aten.mm.default", 0, keep_bytes=100, saved=True, keepable=True)

@@ -518,7 +518,7 @@ def _activation_probe(cb):
 
     import lightning.pytorch as pl
 
-    from lightning_ckpt.integrations.muted_logging import muted_logging
+    from lightning_ckpt.frontends.lightning.muted_logging import muted_logging
     from lightning_ckpt.planning.memory_model import predict_peak
     from lightning_ckpt.profiling.tracker import LiveBytesTracker
 
@@ -665,7 +665,7 @@ def _injected_failures(rank: int) -> dict:
     """Profiling raises on one rank only (a non-ValueError): first rank 1, then rank 0."""
     import warnings
 
-    from lightning_ckpt.integrations import profile_step
+    from lightning_ckpt.frontends.lightning import profile_step
 
     original = profile_step.profile_model
     out = {}

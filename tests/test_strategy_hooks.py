@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from lightning_ckpt.integrations.strategy_hooks import (
+from lightning_ckpt.frontends.lightning.strategy_hooks import (
     profiling_context,
     strategy_static_memory,
 )

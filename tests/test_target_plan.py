@@ -13,8 +13,8 @@ from lightning_ckpt.engine.target_plan import (
     plan_for_target,
 )
 from lightning_ckpt.planning.capacity import plan_if_fits
-from lightning_ckpt.planning.costs import BlockCost, StepCost
-from lightning_ckpt.planning.linear_fit import Profile
+from lightning_ckpt.costs.block_costs import BlockCost, StepCost
+from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.planning.policies import InfeasibleBudgetError, make_plan
 from lightning_ckpt.profiling.static_memory import StaticMemory
 

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from lightning_ckpt.planning.costs import BlockCost, OpCost, StepCost
-from lightning_ckpt.planning.machine_rates import MachineRates
+from lightning_ckpt.costs.block_costs import BlockCost, OpCost, StepCost
+from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.planning.op_options import block_options, kept_value, op_value, option_items
 from lightning_ckpt.planning.timing_fit import (
     MIN_SHARE,

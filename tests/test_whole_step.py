@@ -21,8 +21,8 @@ from torch import nn
 
 from lightning_ckpt import apply_plan, make_plan, measure_step_peak, profile_model, resolve_blocks, static_memory
 from lightning_ckpt.planning.chain_planner import solve_chain
-from lightning_ckpt.planning.costs import BlockCost, StepCost
-from lightning_ckpt.planning.linear_fit import Profile
+from lightning_ckpt.costs.block_costs import BlockCost, StepCost
+from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.planning.memory_model import predict_peak
 from lightning_ckpt.planning.nested_planner import solve_nested
 from lightning_ckpt.planning.recompute_cost import recompute_cost

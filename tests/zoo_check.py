@@ -11,8 +11,8 @@ import torch
 
 from lightning_ckpt import auto_checkpoint, make_plan, measure_step_peak
 from lightning_ckpt.engine.target_plan import cost_at
-from lightning_ckpt.model_compat import prepare_model
-from lightning_ckpt.profiling.profiler import profile_model
+from lightning_ckpt.engine.model_prep import prepare_model
+from lightning_ckpt.engine.step_profile import profile_model
 from lightning_ckpt.profiling.static_memory import static_memory
 
 

@@ -22,20 +22,21 @@ from typing import Any, Protocol
 
 import torch
 
-from lightning_ckpt.apply import AppliedPlan
+from lightning_ckpt.apply.segments import AppliedPlan
 from lightning_ckpt.engine.rank_zero import plan_on_rank_zero
-from lightning_ckpt.model_compat import Prepared, explain_checkpoint_error, prepare_model
+from lightning_ckpt.apply.recompute_errors import explain_checkpoint_error
+from lightning_ckpt.engine.model_prep import Prepared, prepare_model
 from lightning_ckpt.engine.target_plan import PlanRequest, plan_for_max, plan_for_target
-from lightning_ckpt.planning.costs import StepCost
-from lightning_ckpt.planning.linear_fit import Profile
-from lightning_ckpt.planning.machine_rates import MachineRates
+from lightning_ckpt.costs.block_costs import StepCost
+from lightning_ckpt.costs.linear_fit import Profile
+from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.planning.policies import InfeasibleBudgetError
 from lightning_ckpt.profiling.applied_marks import refuse_marked
 from lightning_ckpt.profiling.shapes import BatchShape, shape_of
 from lightning_ckpt.profiling.static_memory import StaticMemory
-from lightning_ckpt.shape_plans import CostSource, ShapeDecision, ShapePlans, largest_shape, same_regions
-from lightning_ckpt.shape_plans import describe as describe_decision
+from lightning_ckpt.engine.shape_plans import CostSource, ShapeDecision, ShapePlans, largest_shape, same_regions
+from lightning_ckpt.engine.shape_plans import describe as describe_decision
 
 
 @dataclass(frozen=True)

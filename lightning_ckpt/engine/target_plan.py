@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_ckpt.planning.capacity import largest_batch
-from lightning_ckpt.planning.costs import StepCost
-from lightning_ckpt.planning.linear_fit import Profile
-from lightning_ckpt.planning.plan import Plan, format_bytes
+from lightning_ckpt.costs.block_costs import StepCost
+from lightning_ckpt.costs.linear_fit import Profile
+from lightning_ckpt.planning.plan import Plan
+from lightning_ckpt.units import format_bytes
 from lightning_ckpt.planning.policies import InfeasibleBudgetError, make_plan
 from lightning_ckpt.profiling.static_memory import StaticMemory
 

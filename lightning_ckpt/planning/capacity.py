@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from lightning_ckpt.planning.costs import StepCost
+from lightning_ckpt.costs.block_costs import StepCost
 from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.planning.policies import InfeasibleBudgetError, make_plan
 

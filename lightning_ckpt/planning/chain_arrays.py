@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lightning_ckpt.planning.costs import StepCost
+from lightning_ckpt.costs.block_costs import StepCost
 from lightning_ckpt.planning.memory_model import (
     ElementArrays,
     element_arrays,

@@ -82,7 +82,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lightning_ckpt.planning.chain_arrays import ChainArrays, chain_arrays
-from lightning_ckpt.planning.costs import StepCost
+from lightning_ckpt.costs.block_costs import StepCost
 from lightning_ckpt.planning.memory_model import segment_need_rows
 from lightning_ckpt.planning.op_options import OpKey
 from lightning_ckpt.planning.prefix_bound import ChainBound, chain_bound

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from lightning_ckpt.planning.costs import StepCost, ckpt_forward_bytes
+from lightning_ckpt.costs.block_costs import StepCost, ckpt_forward_bytes
 from lightning_ckpt.planning.nested_model import direct_children, nested_backward
 from lightning_ckpt.planning.op_options import Keeps, kept_bytes
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lightning_ckpt.planning.costs import StepCost, segment_inflight_bytes
+from lightning_ckpt.costs.block_costs import StepCost, segment_inflight_bytes
 
 Span = tuple[int, int]
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lightning_ckpt.planning.costs import StepCost, segment_inflight_bytes
+from lightning_ckpt.costs.block_costs import StepCost, segment_inflight_bytes
 from lightning_ckpt.planning.memory_model import (
     base_bytes,
     element_arrays,

@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from lightning_ckpt.planning.costs import BlockCost, OpCost, StepCost
-from lightning_ckpt.planning.machine_rates import MachineRates
+from lightning_ckpt.costs.block_costs import BlockCost, OpCost, StepCost
+from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.solvers.knapsack import exact_knapsack
 
 OpKey = tuple[str, int]
@@ -165,7 +165,7 @@ def keep_overhead_ms(block: BlockCost, keys: Collection[OpKey], rates: MachineRa
 
 def keep_calibration(block: BlockCost, keys: Collection[OpKey], rates: MachineRates) -> float:
     """The factor in [0, 1] that scales the `time` value of keeping `keys` in `block` to what
-    keeping was measured to save (`BlockCost.keep_saved_ms`, `lightning_ckpt.keep_calibration`).
+    keeping was measured to save (`BlockCost.keep_saved_ms`, `lightning_ckpt.apply.keep_calibration`).
 
     [constraint] The estimate of keeping every call an option may keep (`option_items`, net of
     `keep_overhead_ms`) is V, the measured saving S (what lies beyond the measurement's noise:

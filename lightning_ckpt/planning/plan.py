@@ -11,16 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-
-def format_bytes(n: float) -> str:
-    """Human-readable binary size: 1536 -> '1.5 KiB'."""
-    sign = "-" if n < 0 else ""
-    n = abs(float(n))
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+from lightning_ckpt.units import format_bytes
 
 
 def format_flops(n: float) -> str:
@@ -184,7 +175,7 @@ class Plan:
         if estimated:
             rates, work = "", "FLOPs, memory-bound bytes and random bytes"
             if self.rates is not None:
-                from lightning_ckpt.planning.machine_rates import MachineRates
+                from lightning_ckpt.costs.machine_rates import MachineRates
 
                 measured = MachineRates.from_dict(self.rates)
                 rates = f" at {measured}"

@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Sequence
 
 from lightning_ckpt.planning.chain_planner import ChainSolution, solve_chain
-from lightning_ckpt.planning.costs import StepCost
+from lightning_ckpt.costs.block_costs import StepCost
 from lightning_ckpt.planning.memory_model import (
     predict_peak,
     segment_of,
@@ -30,7 +30,8 @@ from lightning_ckpt.planning.op_options import (
     kept_value,
     validate_keeps,
 )
-from lightning_ckpt.planning.plan import BlockRow, Plan, format_bytes
+from lightning_ckpt.planning.plan import BlockRow, Plan
+from lightning_ckpt.units import format_bytes
 from lightning_ckpt.planning.recompute_cost import (
     block_recompute,
     metric_rates,

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lightning_ckpt.planning.costs import StepCost
-from lightning_ckpt.planning.machine_rates import MachineRates
+from lightning_ckpt.costs.block_costs import StepCost
+from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.planning.nested_model import direct_children, nested_segment_cost
 from lightning_ckpt.planning.op_options import Keeps, kept_value
 

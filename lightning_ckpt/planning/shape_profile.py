@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lightning_ckpt.planning.costs import BlockCost, OpCost, StepCost
-from lightning_ckpt.planning.linear_fit import _BLOCK_LINEAR, _SIGNED_TIMES, _STEP_LINEAR, Profile, relative_miss
+from lightning_ckpt.costs.block_costs import BlockCost, OpCost, StepCost
+from lightning_ckpt.costs.linear_fit import _BLOCK_LINEAR, _SIGNED_TIMES, _STEP_LINEAR, Profile, relative_miss
 
 FIT_TOLERANCE = 0.01  # worst leave-one-out miss (share of the step's checked bytes) under which the fit is trusted
 MIN_FIT_LENGTHS = 4  # the leave-one-out check of a quadratic needs three lengths left in

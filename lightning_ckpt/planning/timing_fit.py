@@ -14,8 +14,8 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from lightning_ckpt.planning.costs import BlockCost, StepCost
-from lightning_ckpt.planning.machine_rates import MachineRates
+from lightning_ckpt.costs.block_costs import BlockCost, StepCost
+from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.planning.op_options import OpKey, op_value, option_items
 from lightning_ckpt.planning.recompute_cost import block_recompute, op_calls, skipped_tail
 

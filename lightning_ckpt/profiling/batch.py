@@ -116,3 +116,27 @@ def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """`batch` rebuilt as its own type with every tensor `t` replaced by `fn(t)`, called once per
     tensor in the order `tensors_in` yields them."""
     return _rebuild(batch, fn)
+
+
+def checked_size(
+    batch: Any, probes: tuple[int, int], check: int | None, info: Callable[[str], None], what: str = "the batch"
+) -> int | None:
+    """The probe sizes checked against `what` they slice; -> the check size to use (None: skip it)."""
+    n = batch_size_of(batch)
+    if n < 2:
+        raise ValueError(
+            f"{what} has {n} sample(s); profiling fits a line through two batch sizes, so it needs at "
+            "least 2. Use a batch of 2 or more samples."
+        )
+    if max(probes) > n:
+        raise ValueError(
+            f"probe_batch_sizes={probes} but {what} has {n} samples; the probes are slices of that batch. "
+            f"Set probe_batch_sizes to two sizes <= {n}, e.g. (1, 2)."
+        )
+    if check is not None and check > n:
+        info(
+            f"lightning-ckpt: check_batch_size={check} is larger than {what} ({n} samples), so the fitted "
+            f"line is not checked; set check_batch_size <= {n} to check it, or None to silence this."
+        )
+        return None
+    return check

@@ -24,7 +24,7 @@ from lightning_ckpt.profiling.batch import batch_size_of, slice_batch, tensors_i
 from lightning_ckpt.profiling.blocks import plain_name
 from lightning_ckpt.profiling.state import preserved_state
 from lightning_ckpt.profiling.tracker import storage_bytes, storage_key
-from lightning_ckpt.planning.plan import format_bytes
+from lightning_ckpt.units import format_bytes
 
 __all__ = ["ChainChoice", "discover_chain"]
 

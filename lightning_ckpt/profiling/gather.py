@@ -19,8 +19,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from lightning_ckpt.planning.costs import StepCost
-from lightning_ckpt.planning.linear_fit import Profile
+from lightning_ckpt.costs.block_costs import StepCost
+from lightning_ckpt.costs.linear_fit import Profile
 
 __all__ = ["measure_gather_rate", "recompute_gather_bytes", "sharded_world_size", "with_recompute_gather"]
 

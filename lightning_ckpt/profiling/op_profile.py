@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from lightning_ckpt.planning.costs import OpCost
+from lightning_ckpt.costs.block_costs import OpCost
 from lightning_ckpt.profiling.op_keys import OpCallCounter, is_random_op
 from lightning_ckpt.profiling.tracker import flat_tensors, storage_bytes, storage_key
 

@@ -9,7 +9,7 @@ that have no FLOPs (`op_bytes`), forward time and, per op call, the same split a
 what keeping it would hold (`op_profile`). A ledger of every storage's life
 (`lifetimes`) splits what stays between neighbouring blocks from what is carried
 further (skips, what modules outside the chain save) and measures the modules
-between blocks. Parameters, buffers, gradients and RNG state are restored after every probe. `profile_model` also measures the
+between blocks. Parameters, buffers, gradients and RNG state are restored after every probe. `measure_profile` also measures the
 machine's rates once (`rates`), so that counted work can be turned into time.
 """
 
@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt.planning.costs import BlockCost, StepCost
-from lightning_ckpt.planning.linear_fit import Profile, refit_without_smallest
-from lightning_ckpt.planning.machine_rates import MachineRates
+from lightning_ckpt.costs.block_costs import BlockCost, StepCost
+from lightning_ckpt.costs.linear_fit import Profile, refit_without_smallest
+from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.profiling.applied_marks import refuse_marked
 from lightning_ckpt.profiling.batch import batch_size_of, slice_batch, tensors_in
 from lightning_ckpt.profiling.forward_passes import nosave_forward_peaks as _nosave_forward_peaks
@@ -161,7 +161,7 @@ def _as_loss(out: Any) -> torch.Tensor:
 # ----------------------------------------------------------------------------- profile
 
 
-def profile_model(
+def measure_profile(
     model: nn.Module,
     blocks: Sequence[nn.Module],
     step_fn: StepFn,
@@ -171,7 +171,6 @@ def profile_model(
     names: Sequence[str] | None = None,
     timing: bool = True,
     rates: MachineRates | None = None,
-    calibrate_keeps: bool = True,
     time_blocks: bool = True,
 ) -> Profile:
     """Probe at two small slices of `batch` (and check on a third) -> `Profile`.
@@ -188,9 +187,8 @@ def profile_model(
     and dtypes that did most of the probed work (`rates.measure_rates`, 0.3-1.3 s on one CPU thread,
     kept for later runs: `rates.kept_rates`);
     `rates` given are used as they are. Either way they land in `meta["rates"]` of
-    every probe, which the `time` cost metric needs. With `timing` and `calibrate_keeps`, each
-    distinct block with op calls to keep is also timed alone on the whole `batch`, keeping them
-    and not (`keep_calibration`, a few block steps each): only op-level plans need it.
+    every probe, which the `time` cost metric needs. What keeping op outputs saves is measured
+    later, by applying (`engine.step_profile.profile_model` calls `apply.keep_calibration`).
     """
     refuse_marked(blocks, names, "profile the blocks")  # they would measure the plan, not themselves
     n = batch_size_of(batch)
@@ -228,7 +226,6 @@ def profile_model(
     probes, check = fitted.probes, fitted.check
     if timed and not fixed:  # check slices promoted by the refit were profiled untimed: timed now
         probes = tuple(p if p.batch_size in probe_batch_sizes else _timed(model, blocks, step_fn, batch, p) for p in probes)
-    given = rates is not None
     if rates is None and timing:
         from lightning_ckpt.profiling.rates import kept_rates
 
@@ -236,11 +233,6 @@ def profile_model(
     if rates is not None:
         probes = tuple(_with_rates(p, rates) for p in probes)
         check = None if check is None else _with_rates(check, rates)
-    if timing and calibrate_keeps:  # after the rates: the calibration fits them to measured recompute
-        from lightning_ckpt.keep_calibration import calibrated_profile
-
-        calibrated = calibrated_profile(Profile(probes, check), model, blocks, step_fn, batch, fit_rates=not given)  # type: ignore[arg-type]
-        probes, check = calibrated.probes, calibrated.check
     return Profile(probes=probes, check=check)  # type: ignore[arg-type]
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_ckpt.planning.machine_rates import MachineRates
+from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.profiling.measured_cache import kept, machine_key
 from lightning_ckpt.profiling.op_bytes import OpBytesCounter
 

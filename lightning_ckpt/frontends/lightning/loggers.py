@@ -11,10 +11,10 @@ from pathlib import Path
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_ckpt.planning.costs import StepCost
-from lightning_ckpt.planning.linear_fit import Profile
+from lightning_ckpt.costs.block_costs import StepCost
+from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.planning.plan import Plan
-from lightning_ckpt.report import wait_for_plots, write_report
+from lightning_ckpt.report.files import wait_for_plots, write_report
 
 
 def log_metrics(trainer: pl.Trainer, metrics: dict[str, float]) -> None:

@@ -13,8 +13,8 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_ckpt.engine.checkpoint_engine import block_signature  # noqa: F401 - part of the checkpoint format
-from lightning_ckpt.planning.costs import StepCost
-from lightning_ckpt.planning.linear_fit import Profile
+from lightning_ckpt.costs.block_costs import StepCost
+from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.planning.nested_model import depth_of
 from lightning_ckpt.planning.plan import Plan
 

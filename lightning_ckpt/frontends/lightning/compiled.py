@@ -13,9 +13,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_ckpt.apply import AppliedPlan, apply_segments
-from lightning_ckpt.apply_compiled import apply_compiled_segments, compiled_modules, eager_only
-from lightning_ckpt.planning.linear_fit import Profile
+from lightning_ckpt.apply.segments import AppliedPlan, apply_segments
+from lightning_ckpt.apply.compiled import apply_compiled_segments, compiled_modules, eager_only
+from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.planning.plan import Plan
 
 __all__ = ["apply_plan", "compiled_by", "eager_only", "one_block_profile"]

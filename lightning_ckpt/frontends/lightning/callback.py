@@ -17,16 +17,12 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_ckpt.engine import arguments
-from lightning_ckpt.engine.checkpoint_engine import CheckpointEngine, EngineSettings
-from lightning_ckpt.integrations import measured_peak, resume
-from lightning_ckpt.integrations import loader_batch_size as loader
-from lightning_ckpt.integrations.lightning_driver import LightningDriver
-from lightning_ckpt.integrations.loggers import finish_reports, log_metrics, write_plan_report
-from lightning_ckpt.planning.policies import POLICIES
-from lightning_ckpt.profiling.shapes import BatchShape
-from lightning_ckpt.report import plan_metrics, plan_summary
-from lightning_ckpt.shape_plans import ShapeDecision
+from lightning_ckpt.engine import POLICIES, BatchShape, CheckpointEngine, EngineSettings, ShapeDecision, arguments
+from lightning_ckpt.frontends.lightning import loader_batch_size as loader
+from lightning_ckpt.frontends.lightning import measured_peak, resume
+from lightning_ckpt.frontends.lightning.lightning_driver import LightningDriver
+from lightning_ckpt.frontends.lightning.loggers import finish_reports, log_metrics, write_plan_report
+from lightning_ckpt.report.summary import plan_metrics, plan_summary
 from lightning_ckpt.units import parse_bytes
 
 

@@ -25,14 +25,14 @@ from torch import nn
 
 from lightning_ckpt.engine import arguments
 from lightning_ckpt.engine.checkpoint_engine import CheckpointEngine, EngineSettings
-from lightning_ckpt.engine.plain_driver import PlainDriver, StepFn
+from lightning_ckpt.frontends.loops.plain_driver import PlainDriver, StepFn
 from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.profiling.blocks import resolve_blocks
 from lightning_ckpt.profiling.discovery import discover_chain
 from lightning_ckpt.profiling.state import preserved_rng
 from lightning_ckpt.profiling.shapes import BatchShape, shape_of
 from lightning_ckpt.profiling.static_memory import KNOWN_OPTIMIZERS
-from lightning_ckpt.report import plan_summary
+from lightning_ckpt.report.summary import plan_summary
 from lightning_ckpt.units import parse_bytes
 
 
@@ -218,7 +218,7 @@ def _device_of(model: nn.Module) -> torch.device:
 
 
 def _refuse_compiled(model: nn.Module, module: nn.Module, blocks: list[nn.Module]) -> None:
-    from lightning_ckpt.apply_compiled import compiled_modules
+    from lightning_ckpt.apply.compiled import compiled_modules
 
     found = compiled_modules(module, blocks) + (["the model"] if model is not module and hasattr(model, "_orig_mod") else [])
     if found:

@@ -10,12 +10,12 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_ckpt.apply import AppliedPlan
-from lightning_ckpt.integrations import compiled
-from lightning_ckpt.integrations.profile_step import chain_of_first_batch, profile_first_batch
-from lightning_ckpt.integrations.strategy_hooks import strategy_static_memory
-from lightning_ckpt.planning.linear_fit import Profile
-from lightning_ckpt.planning.machine_rates import MachineRates
+from lightning_ckpt.apply.segments import AppliedPlan
+from lightning_ckpt.frontends.lightning import compiled
+from lightning_ckpt.frontends.lightning.profile_step import chain_of_first_batch, profile_first_batch
+from lightning_ckpt.frontends.lightning.strategy_hooks import strategy_static_memory
+from lightning_ckpt.costs.linear_fit import Profile
+from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.profiling.blocks import resolve_blocks
 from lightning_ckpt.profiling.static_memory import StaticMemory

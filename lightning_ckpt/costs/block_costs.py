@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from lightning_ckpt.planning.machine_rates import MachineRates
+from lightning_ckpt.costs.machine_rates import MachineRates
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ class BlockCost:
     keep_saved_ms: measured time one forward + backward of the block, checkpointed alone, saves
         when it keeps every call an op-level option may keep (`op_options.option_items`) instead
         of none; negative when keeping cost more than it saved. None when not measured
-        (`lightning_ckpt.keep_calibration`).
+        (`lightning_ckpt.apply.keep_calibration`).
     keep_draws_saved_ms: the same when it keeps only its random calls; None when not measured
         or when it has none to keep.
     carried_fwd_bytes: storages that outlive their neighbour edge (`profiling.lifetimes`: a U-Net

@@ -16,16 +16,16 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_ckpt.engine.plain_driver import checked_size
-from lightning_ckpt.integrations.compiled import compiled_by, eager_only, one_block_profile
-from lightning_ckpt.integrations.held_training import held_training
-from lightning_ckpt.integrations.muted_logging import muted_logging
-from lightning_ckpt.integrations.strategy_hooks import profiling_context
-from lightning_ckpt.planning.linear_fit import Profile
-from lightning_ckpt.planning.machine_rates import MachineRates
+from lightning_ckpt.profiling.batch import checked_size
+from lightning_ckpt.frontends.lightning.compiled import compiled_by, eager_only, one_block_profile
+from lightning_ckpt.frontends.lightning.held_training import held_training
+from lightning_ckpt.frontends.lightning.muted_logging import muted_logging
+from lightning_ckpt.frontends.lightning.strategy_hooks import profiling_context
+from lightning_ckpt.costs.linear_fit import Profile
+from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.profiling.discovery import ChainChoice, discover_chain
 from lightning_ckpt.profiling.gather import with_recompute_gather
-from lightning_ckpt.profiling.profiler import profile_model
+from lightning_ckpt.engine.step_profile import profile_model
 
 LINEAR_FIT_TOLERANCE = 0.05  # relative miss at the check size above which the fitted line is reported
 

@@ -28,10 +28,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from lightning_ckpt.apply import apply_segments
-from lightning_ckpt.planning.costs import BlockCost, StepCost
-from lightning_ckpt.planning.linear_fit import Profile
-from lightning_ckpt.planning.machine_rates import MachineRates
+from lightning_ckpt.apply.segments import apply_segments
+from lightning_ckpt.costs.block_costs import BlockCost, StepCost
+from lightning_ckpt.costs.linear_fit import Profile
+from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.planning.op_options import block_options, option_items
 from lightning_ckpt.planning.timing_fit import BlockTiming, fit_keep_ops_op_s, fit_op_call_s, with_block_timings
 from lightning_ckpt.profiling.batch import batch_size_of, first_tensor

@@ -28,9 +28,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_ckpt.planning.costs import StepCost
-from lightning_ckpt.planning.linear_fit import Profile
-from lightning_ckpt.planning.plan import Plan, format_bytes
+from lightning_ckpt.costs.block_costs import StepCost
+from lightning_ckpt.costs.linear_fit import Profile
+from lightning_ckpt.planning.plan import Plan
+from lightning_ckpt.units import format_bytes
 from lightning_ckpt.planning.shape_profile import FIT_TOLERANCE, ShapeProfile, checked_bytes
 from lightning_ckpt.profiling.shapes import (
     BatchShape,

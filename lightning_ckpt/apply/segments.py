@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import _checkpoint_without_reentrant_generator
 
-from lightning_ckpt.apply_selective import SelectiveKeep, validate_keep_ops
+from lightning_ckpt.apply.selective import SelectiveKeep, validate_keep_ops
 from lightning_ckpt.planning.nested_model import validate_nested
 from lightning_ckpt.profiling.applied_marks import mark, refuse_marked
 from lightning_ckpt.profiling.chain_check import receives_output, tensor_version

@@ -19,13 +19,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_ckpt.apply import AppliedPlan, apply_segments
-from lightning_ckpt.planning.linear_fit import Profile
-from lightning_ckpt.planning.machine_rates import MachineRates
+from lightning_ckpt.apply.segments import AppliedPlan, apply_segments
+from lightning_ckpt.costs.linear_fit import Profile
+from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.planning.plan import Plan
-from lightning_ckpt.profiling.batch import batch_size_of
+from lightning_ckpt.profiling.batch import checked_size
 from lightning_ckpt.profiling.ddp_memory import ddp_comm_buffer_bytes
-from lightning_ckpt.profiling.profiler import profile_model
+from lightning_ckpt.engine.step_profile import profile_model
 from lightning_ckpt.profiling.state import preserved_rng, unchanged_parameters
 from lightning_ckpt.profiling.static_memory import StaticMemory, static_memory
 
@@ -152,27 +152,3 @@ class PlainDriver:
     def warn(self, message: str) -> None:
         if self.rank == 0:
             (self._warn or (lambda m: warnings.warn(m, stacklevel=3)))(message)
-
-
-def checked_size(
-    batch: Any, probes: tuple[int, int], check: int | None, info: Callable[[str], None], what: str = "the batch"
-) -> int | None:
-    """The probe sizes checked against `what` they slice; -> the check size to use (None: skip it)."""
-    n = batch_size_of(batch)
-    if n < 2:
-        raise ValueError(
-            f"{what} has {n} sample(s); profiling fits a line through two batch sizes, so it needs at "
-            "least 2. Use a batch of 2 or more samples."
-        )
-    if max(probes) > n:
-        raise ValueError(
-            f"probe_batch_sizes={probes} but {what} has {n} samples; the probes are slices of that batch. "
-            f"Set probe_batch_sizes to two sizes <= {n}, e.g. (1, 2)."
-        )
-    if check is not None and check > n:
-        info(
-            f"lightning-ckpt: check_batch_size={check} is larger than {what} ({n} samples), so the fitted "
-            f"line is not checked; set check_batch_size <= {n} to check it, or None to silence this."
-        )
-        return None
-    return check

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import lightning.pytorch as pl
 from lightning.pytorch.cli import LightningCLI
 
-from lightning_ckpt.integrations.callback import ActivationCheckpointing, PlanOnly
+from lightning_ckpt.frontends.lightning.callback import ActivationCheckpointing, PlanOnly
 
 
 def plan_preview(config: list[str], overrides: list[str]) -> tuple[ActivationCheckpointing, pl.Trainer] | None:

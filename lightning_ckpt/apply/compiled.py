@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_ckpt.apply import AppliedPlan, BatchNormGuard
+from lightning_ckpt.apply.segments import AppliedPlan, BatchNormGuard
 from lightning_ckpt.profiling.applied_marks import mark, refuse_marked
 
 __all__ = [

@@ -19,14 +19,15 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_ckpt.integrations.loggers import log_metrics
-from lightning_ckpt.planning.plan import Plan, format_bytes
+from lightning_ckpt.frontends.lightning.loggers import log_metrics
+from lightning_ckpt.planning.plan import Plan
+from lightning_ckpt.units import format_bytes
 from lightning_ckpt.profiling.allocator import AllocatorSetting, follow_tensors
 from lightning_ckpt.profiling.batch import tensors_in
 from lightning_ckpt.profiling.rss import RssPeak, current_anon_bytes, current_rss_bytes
 from lightning_ckpt.profiling.step_peak import state_tensors
 from lightning_ckpt.profiling.tracker import LiveBytesTracker
-from lightning_ckpt.report import REPORT_JSON
+from lightning_ckpt.report.files import REPORT_JSON
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from lightning_ckpt.planning.costs import BlockCost, OpCost, StepCost
+from lightning_ckpt.costs.block_costs import BlockCost, OpCost, StepCost
 
 _BLOCK_LINEAR = (
     "saved_bytes",
@@ -42,7 +42,7 @@ _WORK = ("fwd_mem_bytes", "tail_mem_bytes", "fwd_rng_bytes", "tail_rng_bytes")  
 # what a miss at the check slice is measured on: every size the memory model holds
 _CHECKED = tuple(f for f in _BLOCK_LINEAR if f.endswith("_bytes") and f not in _WORK) + ("ckpt_fwd_peak_bytes",)
 _CHECKED_STEP = (*_STEP_LINEAR, "post_forward_bytes")
-# measured time differences (`lightning_ckpt.keep_calibration`), on a line like `fwd_ms` when both probes have them
+# measured time differences (`lightning_ckpt.apply.keep_calibration`), on a line like `fwd_ms` when both probes have them
 _SIGNED_TIMES = ("keep_saved_ms", "keep_draws_saved_ms")
 
 

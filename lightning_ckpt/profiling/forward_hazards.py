@@ -1,0 +1,131 @@
+"""What in a model's forward a recompute would repeat or that keeps tensors alive, found without
+changing it.
+
+    static_hazards(model, configs) -> list[str]      # read off the model: output_* flags, LayerDrop, spectral norm
+    forward_hazards(model, run) -> tuple[str, ...]   # run a forward, report the state it changed (then put back)
+    live_bytes_per_step(step, n_steps) -> tuple[int, ...]   # live bytes growing step to step
+
+`static_hazards` reports `output_attentions` / `output_hidden_states` (every layer's maps or outputs
+stay alive to the loss), LayerDrop (a skipped layer breaks a segment of several blocks) and spectral
+norm (its power iteration updates buffers again in a recompute). `forward_hazards` finds buffers
+written in place outside normalization layers (whose statistics the apply stage guards), Python
+attributes that change, and tensors kept on modules (alive past their block, so never freed).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_ckpt.profiling.model_configs import configs_phrase, module_label
+from lightning_ckpt.profiling.tracker import LiveBytesTracker
+
+_LAYERDROP = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+_MODULE_DICTS = ("_parameters", "_buffers", "_modules")
+
+
+def _uses_spectral_norm(module: nn.Module) -> bool:
+    from torch.nn.utils.spectral_norm import SpectralNorm
+
+    if any(isinstance(h, SpectralNorm) for h in module._forward_pre_hooks.values()):
+        return True
+    params = getattr(module, "parametrizations", None)
+    return params is not None and any(type(p).__name__ == "_SpectralNorm" for ps in params.values() for p in ps)
+
+def static_hazards(model: nn.Module, configs: list[tuple[str, Any]]) -> list[str]:
+    found = []
+    for where, cfg in configs:
+        for key, what in (("output_attentions", "attention maps"), ("output_hidden_states", "outputs")):
+            if getattr(cfg, key, False) is True:
+                found.append(f"{key}=True in {configs_phrase([where])}: the forward returns every layer's {what}, which "
+                             "stay alive to the loss, so checkpointing frees less than planned; set it False for "
+                             "training unless the loss needs them")
+        for key in _LAYERDROP:
+            if isinstance(getattr(cfg, key, 0), (int, float)) and getattr(cfg, key, 0) > 0:
+                found.append(f"{key}={getattr(cfg, key)} in {configs_phrase([where])}: LayerDrop skips layers at random "
+                             "in training, and a segment of several blocks fails when one is skipped; plan one block "
+                             "per segment (policy='full') or set it to 0")
+    for path, module in model.named_modules():
+        if _uses_spectral_norm(module):
+            found.append(f"{module_label(path, module)} uses spectral norm: its power iteration updates buffers in every "
+                         "training forward, so a recompute updates them again and computes with other weights "
+                         "(gradients differ from training without checkpointing); keep the block that holds it")
+    return found
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, (bool, int, float, str, type(None))):
+        return True
+    return isinstance(value, tuple) and all(_plain(v) for v in value)
+
+def _holds_tensors(value: Any) -> bool:
+    items = value.values() if isinstance(value, dict) else value
+    return any(isinstance(v, torch.Tensor) for v in items)
+
+def _snapshot(module: nn.Module) -> tuple[dict[str, tuple], dict[str, tuple[int, int, torch.Tensor]]]:
+    attrs: dict[str, tuple] = {}
+    for key, value in vars(module).items():
+        if key in _MODULE_DICTS:
+            continue
+        if _plain(value):
+            attrs[key] = ("plain", value)
+        elif isinstance(value, torch.Tensor):
+            attrs[key] = ("tensor", id(value))
+        elif isinstance(value, (list, dict)):
+            attrs[key] = ("container", len(value))
+    buffers = {} if isinstance(module, nn.modules.batchnorm._NormBase) else {
+        key: (id(buf), buf._version, buf.detach().clone()) for key, buf in module._buffers.items() if buf is not None
+    }
+    return attrs, buffers
+
+def forward_hazards(model: nn.Module, run: Callable[[], Any]) -> tuple[str, ...]:
+    """Call `run()` (one forward of `model`, or a whole step) and report what it changed that a recompute
+    would change again or that keeps tensors alive: buffers written in place outside normalization layers,
+    plain Python attributes (numbers, strings, flags), tensors and lists or dicts of tensors stored on
+    modules. Buffers and Python attributes are put back afterwards; the model's outputs are discarded."""
+    before = [(path, module, *_snapshot(module)) for path, module in model.named_modules()]
+    try:
+        run()
+    finally:
+        found = []
+        for path, module, attrs, buffers in before:
+            where = module_label(path, module)
+            for key, (id_, version, copy) in buffers.items():
+                buf = module._buffers.get(key)
+                if buf is not None and (id(buf) != id_ or buf._version != version):
+                    found.append(f"{where} writes its buffer {key!r} in its forward: a recompute writes it again "
+                                 "(and may compute with the new value); keep this block or make the update idempotent")
+                    with torch.no_grad():
+                        if id(buf) == id_:
+                            buf.copy_(copy)
+                        else:
+                            module._buffers[key] = copy
+            for key, value in vars(module).items():
+                kind, old = attrs.get(key, (None, None))
+                if kind == "plain" and _plain(value) and old != value:
+                    found.append(f"{where} changes its attribute {key!r} in its forward ({old!r} -> {value!r}): a "
+                                 "recompute changes it again and may take another path")
+                    setattr(module, key, old)
+                elif isinstance(value, torch.Tensor) and (kind, old) != ("tensor", id(value)):
+                    found.append(f"{where} keeps a tensor in its attribute {key!r}: it stays alive past the block (and "
+                                 "the step), so checkpointing cannot free it")
+                elif kind == "container" and isinstance(value, (list, dict)) and len(value) != old and _holds_tensors(value):
+                    found.append(f"{where} adds tensors to its attribute {key!r} in its forward: they stay alive past the "
+                                 "block (and the step), so checkpointing cannot free them")
+    return tuple(found)
+
+def live_bytes_per_step(step: Callable[[int], Any], n_steps: int) -> tuple[int, ...]:
+    """Bytes of the tensor storages made from the first call on and still alive after each of `n_steps`
+    calls `step(0)`, `step(1)`, ... (counted by `LiveBytesTracker`, after a garbage collection). A training
+    step that keeps nothing settles after its first step or two (gradients and optimizer state exist);
+    a rise every step means something keeps each step's tensors alive."""
+    live = []
+    with LiveBytesTracker() as tracker:
+        for i in range(n_steps):
+            step(i)
+            gc.collect()
+            live.append(tracker.live_bytes)
+    return tuple(live)
