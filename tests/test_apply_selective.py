@@ -22,7 +22,7 @@ from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispat
 
 from examples.train_encoder import EncoderBlock
 from lightning_ckpt.apply.segments import apply_segments
-from lightning_ckpt.apply.selective import _compact, _DrawKeeper, _DrawReplayer
+from lightning_ckpt.apply.kept_draws import DrawKeeper, DrawReplayer, _compact
 from lightning_ckpt.profiling.op_keys import OpCallCounter, is_random_op
 from lightning_ckpt.profiling.tracker import LiveBytesTracker, storage_bytes, storage_key
 
@@ -321,8 +321,8 @@ def test_random_modes_sit_below_selective_checkpoint_modes():
     apply_segments([blk], [(0, 0)], keep_ops={0: key_set("first_dropout", False) + [("aten.addmm.default", 0)]})
     blk(torch.randn(BATCH, SEQ, D, requires_grad=True)).sum().backward()
     forward, recompute = stacks
-    assert forward.index(_DrawKeeper) < forward.index(_CachingTorchDispatchMode)
-    assert recompute.index(_DrawReplayer) < recompute.index(_CachedTorchDispatchMode)
+    assert forward.index(DrawKeeper) < forward.index(_CachingTorchDispatchMode)
+    assert recompute.index(DrawReplayer) < recompute.index(_CachedTorchDispatchMode)
 
 
 def test_only_random_calls_kept_needs_no_caching_modes():
@@ -332,7 +332,7 @@ def test_only_random_calls_kept_needs_no_caching_modes():
     blk.fc.register_forward_hook(lambda *_: stacks.append([type(m) for m in _get_current_dispatch_mode_stack()]))
     apply_segments([blk], [(0, 0)], keep_ops={0: key_set("every_random", False)})
     blk(torch.randn(BATCH, SEQ, D, requires_grad=True)).sum().backward()
-    assert stacks == [[_DrawKeeper], [_DrawReplayer]]
+    assert stacks == [[DrawKeeper], [DrawReplayer]]
 
 
 def one_block(keep_ops, segments=((0, 0),), n_blocks=1):

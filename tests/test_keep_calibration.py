@@ -14,6 +14,7 @@ import torch
 from models import MLPBlock, TinyChain, tokens_batch
 from torch import nn
 
+import lightning_ckpt.apply.block_timing as block_timing
 import lightning_ckpt.apply.keep_calibration as calibration
 from lightning_ckpt.apply.keep_calibration import (
     BlockCall,
@@ -125,7 +126,7 @@ def test_rounds_go_on_while_a_saving_is_within_its_noise(monkeypatch):
     block, call = nn.Linear(4, 4), BlockCall((torch.randn(2, 4),), {})
     key = [("aten.addmm.default", 0)]
     state = {"variant": "plain", "keeping": []}
-    real_apply = calibration.apply_segments
+    real_apply = block_timing.apply_segments
 
     def apply_segments(blocks, segments, keep_ops=None):
         handle = real_apply(blocks, segments, keep_ops=keep_ops)
@@ -155,12 +156,12 @@ def test_rounds_go_on_while_a_saving_is_within_its_noise(monkeypatch):
 
         return lambda device: clock
 
-    monkeypatch.setattr(calibration, "apply_segments", apply_segments)
-    monkeypatch.setattr(calibration, "step_clock", clock_for({"plain": 5.0, "none": 10.0, "all": [10.0, 13.0, 7.0, 10.0]}))
+    monkeypatch.setattr(block_timing, "apply_segments", apply_segments)
+    monkeypatch.setattr(block_timing, "step_clock", clock_for({"plain": 5.0, "none": 10.0, "all": [10.0, 13.0, 7.0, 10.0]}))
     got = measure_block(block, call, key, min_rounds=3, max_rounds=9)
     assert got.rounds == 9 and got.noise_ms > abs(got.all_ms) and got.recompute_ms == pytest.approx(5.0)
     state["keeping"] = []
-    monkeypatch.setattr(calibration, "step_clock", clock_for({"plain": 5.0, "none": 10.0, "all": [9.0]}))
+    monkeypatch.setattr(block_timing, "step_clock", clock_for({"plain": 5.0, "none": 10.0, "all": [9.0]}))
     got = measure_block(block, call, key, min_rounds=3, max_rounds=9)
     assert got.rounds == 3 and got.noise_ms == pytest.approx(0.0, abs=1e-9)
     assert got.all_ms == pytest.approx(1.0) and got.recompute_ms == pytest.approx(5.0)
