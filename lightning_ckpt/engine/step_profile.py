@@ -5,6 +5,7 @@ plans, completed by what keeping op outputs saves, which can only be measured by
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,35 +13,33 @@ from torch import nn
 
 from lightning_ckpt.apply.keep_calibration import calibrated_profile
 from lightning_ckpt.costs.linear_fit import Profile
-from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.profiling.profiler import StepFn, measure_profile
 
 
 def profile_model(
-    model: nn.Module,
-    blocks: Sequence[nn.Module],
-    step_fn: StepFn,
-    batch: Any,
-    probe_batch_sizes: tuple[int, int] = (1, 2),
-    check_batch_size: int | None = 4,
-    names: Sequence[str] | None = None,
-    timing: bool = True,
-    rates: MachineRates | None = None,
-    calibrate_keeps: bool = True,
-    time_blocks: bool = True,
+    model: nn.Module, blocks: Sequence[nn.Module], step_fn: StepFn, batch: Any, *args: Any,
+    calibrate_keeps: bool = True, **kwargs: Any,
 ) -> Profile:
-    """Probe at two small slices of `batch` (and check on a third) -> `Profile`
-    (`profiling.profiler.measure_profile`, whose arguments these are).
+    """Probe at two small slices of `batch` (and check on a third) -> `Profile`: the arguments
+    after `batch` are those of `profiling.profiler.measure_profile` (`probe_batch_sizes`,
+    `check_batch_size`, `names`, `timing`, `rates`, `time_blocks`).
 
     With `timing` and `calibrate_keeps`, each distinct block with op calls to keep is then timed
     alone on the whole `batch`, keeping them and not (`apply.keep_calibration`, a few block steps
     each): only op-level plans read it. Rates given in `rates` stay as given; measured ones are
     fitted to the measured recompute.
     """
-    profile = measure_profile(
-        model, blocks, step_fn, batch, probe_batch_sizes, check_batch_size, names=names, timing=timing,
-        rates=rates, time_blocks=time_blocks,
-    )
-    if timing and calibrate_keeps:  # after the rates: the calibration fits them to measured recompute
-        profile = calibrated_profile(profile, model, blocks, step_fn, batch, fit_rates=rates is None)
+    bound = inspect.signature(measure_profile).bind(model, blocks, step_fn, batch, *args, **kwargs)
+    bound.apply_defaults()
+    profile = measure_profile(*bound.args, **bound.kwargs)
+    if bound.arguments["timing"] and calibrate_keeps:  # after the rates: the calibration fits them to measured recompute
+        profile = calibrated_profile(profile, model, blocks, step_fn, batch, fit_rates=bound.arguments["rates"] is None)
     return profile
+
+
+# help() and IDEs show every argument: measure_profile's, then calibrate_keeps
+_measured = list(inspect.signature(measure_profile).parameters.values())
+profile_model.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [*_measured, inspect.Parameter("calibrate_keeps", inspect.Parameter.KEYWORD_ONLY, default=True, annotation="bool")],
+    return_annotation="Profile",
+)
