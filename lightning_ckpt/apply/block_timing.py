@@ -49,15 +49,19 @@ class BlockCall:
     kwargs: dict
     autocast: tuple[tuple[str, torch.dtype], ...] = ()
 
+
 def autocast_now() -> tuple[tuple[str, torch.dtype], ...]:
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     return tuple((d, torch.get_autocast_dtype(d)) for d in devices if torch.is_autocast_enabled(d))
 
+
 def _copy(value: Any) -> Any:
     return tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, value)
 
+
 class _AllCaptured(Exception):
     """Raised from a block's pre-hook once every call wanted is captured: the rest of the forward is skipped."""
+
 
 def capture_block_calls(
     blocks: Sequence[nn.Module], indices: Collection[int], step_fn: Callable[[Any], Any], batch: Any
@@ -86,10 +90,12 @@ def capture_block_calls(
             h.remove()
     return found
 
+
 def _synchronizer(device: torch.device | None) -> Callable[[], None]:
     if device is None or device.type != "cuda":
         return lambda: None
     return lambda: torch.cuda.synchronize(device)
+
 
 def _median_noise(diffs: Sequence[float]) -> float:
     """`NOISE_SE` standard errors of the median of `diffs`, from their spread (the median
@@ -99,6 +105,7 @@ def _median_noise(diffs: Sequence[float]) -> float:
     mid = statistics.median(diffs)
     sd = 1.4826 * statistics.median(abs(d - mid) for d in diffs)
     return NOISE_SE * 1.2533 * sd / len(diffs) ** 0.5
+
 
 def measure_block(
     block: nn.Module,
@@ -207,6 +214,7 @@ def measure_block(
         all_ms=all_ms, draws_ms=draws_ms, noise_ms=noise, recompute_ms=recompute_ms, rounds=r,
         part_keys=part, part_ms=saved("part") if part else None,
     )
+
 
 def measure_keep_overheads(device: torch.device, repeats: int = 7, calls: int = 10) -> tuple[float, float]:
     """(keep_draws_op_s, keep_ops_op_s): seconds per op call that an op-level block adds to a

@@ -60,6 +60,7 @@ def _sharded(blocks: Sequence[nn.Module]) -> bool:
 
     return sharded_world_size(blocks) > 1
 
+
 def measure_step_blocks(
     cost: StepCost,
     model: nn.Module,
@@ -108,6 +109,7 @@ def measure_step_blocks(
                 found[j] = timing
     return found
 
+
 def lighter_choice(block: BlockCost, rates: MachineRates) -> tuple[OpKey, ...]:
     """The lightest option of `block`'s `time` frontier (`op_options.block_options`, measured
     savings left out) that keeps a call other than a draw and not every keepable call: the
@@ -119,6 +121,7 @@ def lighter_choice(block: BlockCost, rates: MachineRates) -> tuple[OpKey, ...]:
         if not set(option.keys) <= random and set(option.keys) != every:
             return option.keys
     return ()
+
 
 def _calibration_key(
     cost: StepCost, model: nn.Module, blocks: Sequence[nn.Module], rates: MachineRates | None, min_rounds: int, max_rounds: int
@@ -140,8 +143,10 @@ def _calibration_key(
         "version": _VERSION,
     }
 
+
 def _timing(data: dict[str, Any]) -> BlockTiming:
     return BlockTiming(**{**data, "part_keys": tuple((str(op), int(i)) for op, i in data["part_keys"])})
+
 
 def calibrated_profile(
     profile: Profile,

@@ -27,11 +27,13 @@ def is_random(func: Any) -> bool:
         found = _RANDOM[func] = is_random_op(func)
     return found
 
+
 def written_arguments(func: Any) -> list[tuple[int, str]]:
     """(position, name) of the arguments `func` writes in place, from its schema."""
     schema = getattr(func, "_schema", None)
     args = schema.arguments if schema is not None else ()
     return [(i, a.name) for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write]
+
 
 def op_named(name: str) -> Any:
     """The op overload named `name` ("aten.bernoulli_.float"), or None when there is none."""
@@ -43,8 +45,10 @@ def op_named(name: str) -> Any:
         return None
     return op if str(op) == name else None
 
+
 def argument_at(args: tuple, kwargs: dict, position: int, name: str) -> Any:
     return args[position] if position < len(args) else kwargs.get(name)
+
 
 def tensors_of(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
@@ -73,6 +77,7 @@ def _zero_one(func: Any) -> bool:
     """Ops whose every output value is +0 or +1 by definition (bernoulli draws)."""
     return getattr(func, "_overloadpacket", None) in (torch.ops.aten.bernoulli_, torch.ops.aten.bernoulli)
 
+
 def _compact(t: torch.Tensor, zero_one: bool = False) -> tuple[torch.Tensor, torch.dtype | None]:
     """A lossless copy of `t`: one byte per element (bool) when every value is exactly 0 or +1
     (a bernoulli mask), else a clone. Returns (copy, dtype to restore it to, None if none).
@@ -97,8 +102,10 @@ def _compact(t: torch.Tensor, zero_one: bool = False) -> tuple[torch.Tensor, tor
         return packed, t.dtype
     return t.clone(), None
 
+
 def _restore(copy: Any, dtype: torch.dtype | None) -> Any:
     return copy.to(dtype) if dtype is not None else copy
+
 
 class _KeptDraw:
     """One kept random call: its values, the generator it drew from and that generator's state after the draw."""
@@ -139,6 +146,7 @@ class _KeptDraw:
             return target
         return tree_unflatten([_restore(*v) for v in self.values], self.spec)
 
+
 class DrawKeeper(TorchDispatchMode):
     """Forward mode, below torch's caching mode: keeps the draws of the kept random calls.
 
@@ -168,6 +176,7 @@ class DrawKeeper(TorchDispatchMode):
             if key in self.keys:
                 self.draws[key] = _KeptDraw(func, args, kwargs, out, self.block, key)
         return out
+
 
 class DrawReplayer(TorchDispatchMode):
     """Recompute mode, below torch's cached mode: a kept random call draws nothing; its kept values

@@ -21,6 +21,7 @@ from lightning_ckpt.profiling.model_configs import configs_phrase, fills_cache, 
 class RecomputeMismatchError(CheckpointError):
     """The recompute of a checkpointed block did not repeat its forward."""
 
+
 def _recompute_frames(err: BaseException) -> list[Any] | None:
     """The frames below torch's recompute, innermost last; None when `err` was not raised in one."""
     tb, frames, inside = err.__traceback__, [], False
@@ -33,6 +34,7 @@ def _recompute_frames(err: BaseException) -> list[Any] | None:
         tb = tb.tb_next
     return frames if inside else None
 
+
 def _module_of(frames: list[Any], model: nn.Module | None) -> str | None:
     """The outermost module whose forward ran under the recompute, by name when `model` holds it."""
     for frame in frames:
@@ -44,6 +46,7 @@ def _module_of(frames: list[Any], model: nn.Module | None) -> str | None:
                         return module_label(path, m)
             return type(module).__name__
     return None
+
 
 def explain_checkpoint_error(err: BaseException, model: nn.Module | None = None) -> BaseException:
     """A `RecomputeMismatchError` (a CheckpointError) naming the likely cause and the fix, for torch's
@@ -86,6 +89,7 @@ def explain_checkpoint_error(err: BaseException, model: nn.Module | None = None)
     new = RecomputeMismatchError("\n".join(lines))
     new.__cause__ = err
     return new
+
 
 @contextlib.contextmanager
 def explained_checkpoint_errors(model: nn.Module | None = None) -> Iterator[None]:

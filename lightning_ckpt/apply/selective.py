@@ -82,6 +82,7 @@ def validate_keep_ops(
         out[index] = frozenset(checked)
     return out
 
+
 def _describe(keys: Collection[OpKey]) -> str:
     """'aten.addmm.default 0..3; aten.gelu.default 0' for the error messages."""
     by_op: dict[str, list[int]] = {}

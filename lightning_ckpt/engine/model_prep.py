@@ -37,8 +37,10 @@ _MISSING = object()
 class ModelCompatWarning(UserWarning):
     """lightning-ckpt changed a setting of the model for the fit (it is set back at the end)."""
 
+
 def _flag_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(p, m) for p, m in model.named_modules() if isinstance(m.__dict__.get("gradient_checkpointing"), bool)]
+
 
 def _describe_checkpointing(flagged: list[tuple[str, nn.Module]]) -> str:
     """`every layer, use_reentrant=False` or `3 of 6 layers, ...`, from the flags and checkpoint function."""
@@ -56,6 +58,7 @@ def _describe_checkpointing(flagged: list[tuple[str, nn.Module]]) -> str:
         parts.append(f"through {getattr(inner, '__qualname__', 'a custom checkpoint function')}")
     return ", ".join(parts)
 
+
 def _owners(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     """(path, module, disable method) of the outermost modules whose class has a disable method."""
     owners: list[tuple[str, nn.Module, str]] = []
@@ -66,6 +69,7 @@ def _owners(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
         if method is not None and any(isinstance(m.__dict__.get("gradient_checkpointing"), bool) for m in module.modules()):
             owners.append((path, module, method))
     return owners
+
 
 @dataclass
 class Prepared:
@@ -103,8 +107,10 @@ class Prepared:
     def __exit__(self, *exc: Any) -> None:
         self.restore()
 
+
 def _warn(message: str) -> None:
     warnings.warn(message, ModelCompatWarning, stacklevel=3)
+
 
 def prepare_model(
     model: nn.Module, *, keep_hf_checkpointing: bool = False, warn: Callable[[str], None] | None = None
@@ -153,6 +159,7 @@ def prepare_model(
         use_cache_off=tuple(w for w, _ in cached), hf_checkpointing=described, hf_checkpointing_kept=kept,
         hazards=tuple(static_hazards(model, configs)), messages=tuple(messages), _undo=undo,
     )
+
 
 def _disable_hf_checkpointing(
     flagged: list[tuple[str, nn.Module]], owners: list[tuple[str, nn.Module, str]]

@@ -36,6 +36,7 @@ def _uses_spectral_norm(module: nn.Module) -> bool:
     params = getattr(module, "parametrizations", None)
     return params is not None and any(type(p).__name__ == "_SpectralNorm" for ps in params.values() for p in ps)
 
+
 def static_hazards(model: nn.Module, configs: list[tuple[str, Any]]) -> list[str]:
     found = []
     for where, cfg in configs:
@@ -56,14 +57,17 @@ def static_hazards(model: nn.Module, configs: list[tuple[str, Any]]) -> list[str
                          "(gradients differ from training without checkpointing); keep the block that holds it")
     return found
 
+
 def _plain(value: Any) -> bool:
     if isinstance(value, (bool, int, float, str, type(None))):
         return True
     return isinstance(value, tuple) and all(_plain(v) for v in value)
 
+
 def _holds_tensors(value: Any) -> bool:
     items = value.values() if isinstance(value, dict) else value
     return any(isinstance(v, torch.Tensor) for v in items)
+
 
 def _snapshot(module: nn.Module) -> tuple[dict[str, tuple], dict[str, tuple[int, int, torch.Tensor]]]:
     attrs: dict[str, tuple] = {}
@@ -80,6 +84,7 @@ def _snapshot(module: nn.Module) -> tuple[dict[str, tuple], dict[str, tuple[int,
         key: (id(buf), buf._version, buf.detach().clone()) for key, buf in module._buffers.items() if buf is not None
     }
     return attrs, buffers
+
 
 def forward_hazards(model: nn.Module, run: Callable[[], Any]) -> tuple[str, ...]:
     """Call `run()` (one forward of `model`, or a whole step) and report what it changed that a recompute
@@ -116,6 +121,7 @@ def forward_hazards(model: nn.Module, run: Callable[[], Any]) -> tuple[str, ...]
                     found.append(f"{where} adds tensors to its attribute {key!r} in its forward: they stay alive past the "
                                  "block (and the step), so checkpointing cannot free them")
     return tuple(found)
+
 
 def live_bytes_per_step(step: Callable[[int], Any], n_steps: int) -> tuple[int, ...]:
     """Bytes of the tensor storages made from the first call on and still alive after each of `n_steps`

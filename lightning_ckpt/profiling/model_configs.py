@@ -12,9 +12,11 @@ from torch import nn
 def module_label(path: str, module: nn.Module) -> str:
     return f"{type(module).__name__} at {path!r}" if path else type(module).__name__
 
+
 def is_hf_config(obj: Any) -> bool:
     """A HF config by duck type: `to_dict` and `model_type` (no transformers import)."""
     return callable(getattr(obj, "to_dict", None)) and hasattr(obj, "model_type")
+
 
 def hf_configs(model: nn.Module) -> list[tuple[str, Any]]:
     """(whose, config) for every distinct HF config of the tree and their sub-configs; a module's own
@@ -42,12 +44,14 @@ def hf_configs(model: nn.Module) -> list[tuple[str, Any]]:
             add(module_label(path, module), cfg)
     return list(found.values())
 
+
 def fills_cache(cfg: Any) -> bool:
     """`use_cache=True` in a config whose forward fills a key/value cache: an encoder-decoder, a decoder,
     or a decoder-only family (no `is_decoder` switch). BERT-style encoders (`is_decoder=False`) never do."""
     if getattr(cfg, "use_cache", None) is not True:
         return False
     return bool(getattr(cfg, "is_encoder_decoder", False)) or getattr(cfg, "is_decoder", None) in (True, None)
+
 
 def configs_phrase(names: list[str]) -> str:
     return ("the HF config of " if len(names) == 1 else "the HF configs of ") + ", ".join(names)

@@ -27,6 +27,7 @@ def _without_ops(cost: StepCost) -> dict:
         del block["ops"]
     return data
 
+
 def write_json(
     path: str | Path, plan: Plan, profile: Profile | None = None, cost: StepCost | None = None, full: bool = False
 ) -> Path:
@@ -53,6 +54,7 @@ def write_json(
     }
     path.write_text(json.dumps(data, indent=2))
     return path
+
 
 def write_report(
     directory: str | Path, plan: Plan, profile: Profile | None, cost: StepCost | None, metric: str = "flops",
@@ -86,6 +88,7 @@ def _plot_or_keep_error(path: Path, cost: StepCost, plan: Plan, metric: str) -> 
         plot_tradeoff(path, cost, plan, metric=metric)
     except Exception as err:  # told by `wait_for_plots`, on the caller's thread
         _FAILED.append(f"{path}: {type(err).__name__}: {err}")
+
 
 def wait_for_plots() -> list[str]:
     """Wait for the PNGs `write_report(..., background=True)` is drawing; -> what failed, and why

@@ -21,6 +21,7 @@ def _axis_label(metric: str) -> str:
         "ms": "recompute time, forward timed once (ms per step)",
     }.get(metric, "recomputed forward (GFLOP per step)")
 
+
 def plot_tradeoff(path: str | Path, cost: StepCost, plan: Plan, points: int = 16, metric: str = "flops") -> Path:
     """Write the trade-off PNG; returns its path."""
     fig = tradeoff_figure(cost, plan, points, metric)
@@ -28,6 +29,7 @@ def plot_tradeoff(path: str | Path, cost: StepCost, plan: Plan, points: int = 16
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     return path
+
 
 def tradeoff_figure(cost: StepCost, plan: Plan, points: int = 16, metric: str = "flops"):
     """The trade-off plot as a matplotlib figure (optimal curve, baselines, chosen plan, budget)."""
@@ -73,6 +75,7 @@ def tradeoff_figure(cost: StepCost, plan: Plan, points: int = 16, metric: str = 
     _label_markers(fig, ax, baselines, colors, chosen)
     return fig
 
+
 def _line_points(ax, step_px: float = 3.0) -> np.ndarray:
     """Points every `step_px` pixels along the lines drawn on `ax` (as drawn: steps included), in pixels."""
     out = []
@@ -86,6 +89,7 @@ def _line_points(ax, step_px: float = 3.0) -> np.ndarray:
             k = max(2, int(np.hypot(x1 - x0, y1 - y0) / step_px) + 1)
             out.append(np.column_stack((np.linspace(x0, x1, k), np.linspace(y0, y1, k))))
     return np.concatenate(out) if out else np.zeros((0, 2))
+
 
 def _distance(box, point) -> float:
     """Distance in pixels from a point to a box (0 inside it)."""
@@ -114,6 +118,7 @@ def _marker_groups(centers: list, size: float) -> list[list[int]]:
         else:
             near.append(k)
     return groups
+
 
 def _label_markers(fig, ax, points: list[TradeoffPoint], colors: list[str], chosen: tuple[float, float]) -> None:
     """Label each baseline marker next to it, in its colour: the first spot whose text stays inside

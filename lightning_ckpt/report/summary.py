@@ -17,6 +17,7 @@ def plan_summary(plan: Plan) -> str:
         f"{format_bytes(plan.budget_bytes or 0)}. Training runs unchanged."
     )
 
+
 def plan_metrics(plan: Plan) -> dict[str, float]:
     """What the callback logs about its plan, under the `ckpt/` prefix."""
     return {

@@ -21,6 +21,7 @@ class TradeoffPoint:
     recompute_flops: int
     recompute_cost: float  # in the plot's metric: GFLOP for `flops`, ms for `time` and `ms`
 
+
 def cost_of(plan: Plan, metric: str) -> float:
     """A plan's recompute in the unit the plot shows for `metric`."""
     if metric == "time" and plan.recompute_est_ms is not None:
@@ -29,11 +30,13 @@ def cost_of(plan: Plan, metric: str) -> float:
         return plan.recompute_ms
     return plan.recompute_flops / 1e9
 
+
 def _curve_slots(n_blocks: int) -> int:
     """Memory slots of the multi-level curve's one solve: 1024 up to 12 blocks (one-byte slots when
     the budget is at most that many bytes above the base, as in the tests), 256 at 48 blocks (0.2 s
     of one CPU thread here), fewer on longer chains."""
     return max(128, min(1024, 256 * 48 // max(1, n_blocks)))
+
 
 def tradeoff_curve(cost: StepCost, points: int = 16, metric: str = "flops", max_levels: int = 1) -> list[TradeoffPoint]:
     """The optimal plan at `points` budgets: single-level (`max_levels` = 1) from the `full`
@@ -76,6 +79,7 @@ def tradeoff_curve(cost: StepCost, points: int = 16, metric: str = "flops", max_
         plan = build_plan(cost, solution.segments, "optimal", budget, metric, inner_segments=solution.inner)
         out.append(TradeoffPoint(label, plan.predicted_peak_bytes, plan.recompute_flops, cost_of(plan, metric)))
     return out
+
 
 def baseline_points(cost: StepCost, metric: str = "flops") -> list[TradeoffPoint]:
     pts = []
