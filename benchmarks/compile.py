@@ -34,6 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT)]
 MIB = 2**20
+# A worker process takes seconds to a few minutes; one still running after an hour hangs.
+WORKER_TIMEOUT_S = 3600
 
 
 def worker(policy: str | None, budget: int | None, steps: int, quick: bool, compiled: bool = True) -> dict:
@@ -126,7 +128,7 @@ def _run(policy: str | None, budget: int | None, steps: int, quick: bool, compil
     if malloc:
         env.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")
     args = [sys.executable, __file__, "--worker", json.dumps([policy, budget, steps, quick, compiled])]
-    out = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
+    out = subprocess.run(args, env=env, capture_output=True, text=True, check=False, timeout=WORKER_TIMEOUT_S)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
     return json.loads(out.stdout.strip().splitlines()[-1])

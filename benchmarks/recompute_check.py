@@ -43,6 +43,8 @@ from plans import bert_case, case_budgets, hf_case, profile_case  # noqa: E402
 
 from lightning_ckpt import make_plan  # noqa: E402
 
+# A worker process takes seconds to a few minutes; one still running after an hour hangs.
+WORKER_TIMEOUT_S = 3600
 WITHIN = 0.25  # an estimate within this share of the measured difference is good enough to plan with
 
 
@@ -111,7 +113,7 @@ def fresh(n: int, models: list[str], quick: bool, kept: bool) -> bool:
             env.pop("LIGHTNING_CKPT_REMEASURE", None)
             for _ in range(n):
                 cmd = [sys.executable, __file__, "--worker", model] + (["--quick"] if quick else [])
-                done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+                done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env, timeout=WORKER_TIMEOUT_S)
                 runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(f"{model}, {mode}: {n} fresh processes in {time.time() - t0:.0f} s")
         for name in ("flop_per_s", "mem_byte_per_s", "rng_byte_per_s", "segment_s", "op_call_s", "keep_ops_op_s"):

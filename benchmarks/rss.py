@@ -32,6 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "examples"), str(ROOT / "benchmarks")]
 
 MIB = 2**20
+# A worker process takes seconds to a few minutes; one still running after an hour hangs.
+WORKER_TIMEOUT_S = 3600
 BUDGETS = {"encoder": 300 * MIB, "cnn": 66 * MIB}  # memory_budget in configs/encoder48.yaml, configs/cnn.yaml
 PRELOADS = {
     "tcmalloc": "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
@@ -107,7 +109,7 @@ def _run_worker(model: str, threshold: str, steps: int, quick: bool) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if threshold in PRELOADS:
         env["LD_PRELOAD"] = PRELOADS[threshold]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env, timeout=WORKER_TIMEOUT_S)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

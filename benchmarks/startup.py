@@ -56,6 +56,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 
 CONFIGS = {"encoder": ROOT / "configs" / "encoder48.yaml", "cnn": ROOT / "configs" / "cnn.yaml"}
 DEFAULT_STEPS = {"encoder": 5, "cnn": 12}
+# A worker process takes seconds to a few minutes; one still running after an hour hangs.
+WORKER_TIMEOUT_S = 3600
 PHASES = ("probes", "block timing", "no-save fwd", "rates", "calibration", "planning", "applying", "report")
 # (module, attribute, phase); a phase marked sticky takes everything that runs inside it
 PATCHES = (
@@ -209,7 +211,8 @@ def _run(model: str, steps: int, tune_allocator: str, report: bool, callback: bo
     with tempfile.TemporaryDirectory(prefix="lckpt-startup-timings-") as empty:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "LIGHTNING_CKPT_CACHE_DIR": kept_in or empty}
         env.pop("LIGHTNING_CKPT_REMEASURE", None)
-        out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env, cwd=ROOT)
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env, cwd=ROOT,
+                             timeout=WORKER_TIMEOUT_S)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-4000:])
     result = json.loads(out.stdout.strip().splitlines()[-1])

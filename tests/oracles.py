@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import math
 
-from lightning_ckpt.costs.block_costs import StepCost, ckpt_forward_bytes
+from lightning_ckpt.costs.block_costs import StepCost
 from lightning_ckpt.planning.memory_model import (
     PeakBreakdown,
     boundary_shift,
@@ -27,6 +27,7 @@ from lightning_ckpt.planning.memory_model import (
     segment_elements,
     step_terms,
 )
+from lightning_ckpt.planning.peak_terms import ckpt_forward_bytes
 from lightning_ckpt.planning.recompute_cost import (
     block_recompute,
     metric_rates,

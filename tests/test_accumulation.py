@@ -4,13 +4,10 @@ earlier ones alive through their whole backward. HF Llama built from config, bf1
 from __future__ import annotations
 
 import lightning.pytorch as pl
-import pytest
 from hf_models import CausalTokens, LitHF, StepPeaks, tiny_llama
 from lit_models import make_trainer
 
 from lightning_ckpt import ActivationCheckpointing, make_plan
-
-pytest.importorskip("transformers")
 
 BATCH, ACCUMULATE = 4, 4
 

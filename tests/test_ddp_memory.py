@@ -118,12 +118,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+SPAWN_TIMEOUT_S = 100  # the two ranks take about 15 s; a hang ends here, with its own error, before the 120 s
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     import torch.multiprocessing as mp
 
     out = tmp_path_factory.mktemp("ddp_memory")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=2, join=True)
+    context = mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=2, join=False)
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    while not context.join(timeout=max(deadline - time.monotonic(), 0.0)):  # raises if a rank failed
+        if time.monotonic() >= deadline:
+            alive = [r for r, proc in enumerate(context.processes) if proc.is_alive()]
+            for r in alive:
+                context.processes[r].kill()
+                context.processes[r].join(timeout=30)
+            pytest.fail(f"DDP ranks {alive} still running after {SPAWN_TIMEOUT_S} s (killed): a collective hangs")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 

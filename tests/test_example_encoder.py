@@ -6,8 +6,9 @@ import importlib.util
 import sys
 from pathlib import Path
 
-import pytest
 import torch
+
+from lightning_ckpt import ActivationCheckpointing
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_encoder.py"
@@ -197,15 +198,11 @@ def test_tiny_config_learns_above_chance(tmp_path, monkeypatch):
 
 def test_default_config_parses_and_builds(tmp_path, monkeypatch):
     """configs/encoder48.yaml builds the 48-block model, the data and the callback (nothing runs)."""
-    try:
-        from lightning_ckpt import ActivationCheckpointing  # noqa: F401
-    except ImportError:
-        pytest.skip("lightning_ckpt.ActivationCheckpointing is not available")
     monkeypatch.setattr(sys, "argv", ["train_encoder.py"])
     cli = ex.main(["--config", str(CONFIG), f"--trainer.default_root_dir={tmp_path}"], run=False)
     assert len(cli.model.blocks) == 48
     assert cli.datamodule.seq_len == cli.model.hparams.seq_len
     assert cli.datamodule.vocab_size == cli.model.hparams.vocab_size
     assert cli.datamodule.n_classes == cli.model.hparams.n_classes
-    callbacks = [c for c in cli.trainer.callbacks if type(c).__name__ == "ActivationCheckpointing"]
+    callbacks = [c for c in cli.trainer.callbacks if isinstance(c, ActivationCheckpointing)]
     assert len(callbacks) == 1

@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from monai.networks.nets import ResNet
 
 from lightning_ckpt import make_plan, measure_step_peak, profile_model, resolve_blocks, static_memory
 from lightning_ckpt.apply.segments import apply_segments
-
-monai_nets = pytest.importorskip("monai.networks.nets")
 
 # conv1, bn1 and maxpool are the stem (its in-place ReLU runs between bn1 and maxpool, outside
 # the chain: a block that overwrites its own input cannot be recomputed); avgpool + fc the head.
@@ -22,7 +21,7 @@ BATCH = 16
 @pytest.fixture(scope="module")
 def resnet():
     torch.manual_seed(0)
-    model = monai_nets.ResNet("basic", [1, 1, 1, 1], [16, 32, 64, 128], spatial_dims=2, n_input_channels=3, num_classes=4)
+    model = ResNet("basic", [1, 1, 1, 1], [16, 32, 64, 128], spatial_dims=2, n_input_channels=3, num_classes=4)
     batch = (torch.randn(BATCH, 3, 64, 64), torch.randint(0, 4, (BATCH,)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 

@@ -9,7 +9,6 @@ is the package's one definition, `_common.fits`: real memory sum <= budget_limit
 from __future__ import annotations
 
 import math
-import time
 from fractions import Fraction
 
 import numpy as np
@@ -314,10 +313,11 @@ def test_hard_families_at_n_1000_are_exact_and_fast(family, seed):
     if family == "inverse_strongly":
         w = w + r // 10
     cap = math.floor(w.sum() * rng.uniform(0.3, 0.7))
-    start = time.perf_counter()
     sol = solve_knapsack(w, v, float(cap))
-    elapsed = time.perf_counter() - start
-    assert elapsed < 5.0
+    # Fast as work done, not time: the core DP stays within n * max weight states, the O(n r) of
+    # Pisinger's balanced DP, where the dense DP fills n * cap cells (about 200 times more). Without
+    # the surrogate bound the correlated families need up to 3.2 million states here.
+    assert sol.states <= len(w) * int(w.max()), sol.states
     assert sol.grid == 0.0 and not sol.coarsened
     check_answer(w, v, cap, sol.as_tuple())
     assert sol.value == dense_dp(w, v, cap)
@@ -327,11 +327,14 @@ def test_large_easy_instance_is_fast():
     rng = np.random.default_rng(9)
     w = rng.uniform(1, 100, 10_000)
     v = w * np.exp(rng.normal(0, 1, 10_000))
-    exact_knapsack(w, v, w.sum() / 2)  # warm up
-    start = time.perf_counter()
-    answer = exact_knapsack(w, v, w.sum() / 2)
-    assert time.perf_counter() - start < 0.5
-    check_answer(w, v, w.sum() / 2, answer)
+    sol = solve_knapsack(w, v, w.sum() / 2)
+    # Fast as work done, not time: on uncorrelated items bound fixing leaves a core of about 1 % of
+    # the items and the core DP's bounds prune it to a few states per item (about 25 thousand here);
+    # without the core's own fixing 41 thousand, without its bound pruning 2.4 million.
+    assert sol.states <= 3 * len(w), sol.states
+    assert not sol.coarsened
+    check_answer(w, v, w.sum() / 2, sol.as_tuple())
+    assert sol.as_tuple() == exact_knapsack(w, v, w.sum() / 2)
 
 
 # --- input validation ----------------------------------------------------------------
@@ -364,7 +367,7 @@ def test_import_does_not_pull_in_the_compile_adapter():
     import sys
 
     code = "import sys, lightning_ckpt.solvers; print('compile_adapter' in str(list(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "False"
 
 

@@ -48,7 +48,7 @@ def test_plan_command_without_callback_says_so(tmp_path, monkeypatch):
     path.write_text(yaml.safe_dump(cfg))
     proc = subprocess.run(
         [sys.executable, "-m", "lightning_ckpt", "plan", "--config", str(path)], capture_output=True, text=True, cwd=ROOT,
-        check=False,
+        check=False, timeout=300,
     )
     assert proc.returncode == 2
     assert "has no lightning_ckpt.ActivationCheckpointing under trainer.callbacks" in proc.stderr
@@ -84,7 +84,7 @@ def test_bad_argument_in_the_config_is_one_error_line(tmp_path, capsys, monkeypa
 def test_wrong_blocks_prints_one_error_line_and_no_lightning_cli_warning(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "lightning_ckpt", "plan", "--config", _tiny_config(tmp_path, blocks="blocks.0")],
-        capture_output=True, text=True, cwd=ROOT, check=False,
+        capture_output=True, text=True, cwd=ROOT, check=False, timeout=300,
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "LightningCLI's args parameter" not in proc.stderr

@@ -26,24 +26,37 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracles import all_plans, walk_peak
+from oracles import all_nested_plans, all_plans, walk_peak
 from torch import nn
 
 from lightning_ckpt.apply.segments import apply_segments
 from lightning_ckpt.costs.block_costs import BlockCost, StepCost
+from lightning_ckpt.planning.element_arrays import element_arrays, segment_need_rows
 from lightning_ckpt.planning.memory_model import (
     boundary_shift,
     boundary_shifts,
-    element_arrays,
     end_need,
     end_relief,
     kept_element,
     optimizer_need,
+    peak_floor_bytes,
     plan_elements,
     predict_peak,
     segment_elements,
-    segment_need_rows,
     step_terms,
+)
+from lightning_ckpt.planning.peak_terms import (
+    BlockColumns,
+    backward_held_bytes,
+    block_backward_bytes,
+    checkpointed_forward_bytes,
+    child_forward_bytes,
+    ckpt_forward_bytes,
+    kept_backward_bytes,
+    kept_forward_bytes,
+    recompute_end_bytes,
+    segment_activations_bytes,
+    segment_block_forward_bytes,
 )
 from lightning_ckpt.profiling.profiler import probe_step
 from lightning_ckpt.profiling.static_memory import static_memory
@@ -274,6 +287,51 @@ def test_numpy_form_equals_the_scalar_elements(case):
             rows = segment_need_rows(a, p0, p1, n)
             for p in range(p0, p1):
                 assert list(rows[p - p0, : n - p]) == list(scalar[p, : n - p])
+
+
+# every term of `peak_terms` with the arguments it takes besides the block (g: gradients after
+# it, f: gradients in the forward, x: boundary beside it, p: gap after it, a: activations, s: scratch,
+# i: in-flight bytes of a child)
+TERMS = {
+    "ckpt_forward_bytes": (lambda blk: ckpt_forward_bytes(blk), ""),
+    "checkpointed_forward_bytes": (lambda blk: checkpointed_forward_bytes(blk), ""),
+    "segment_block_forward_bytes": (segment_block_forward_bytes, "fx"),
+    "kept_forward_bytes": (kept_forward_bytes, "fp"),
+    "backward_held_bytes": (backward_held_bytes, "g"),
+    "block_backward_bytes": (block_backward_bytes, "gas"),
+    "block_backward_bytes without scratch": (block_backward_bytes, "ga"),
+    "kept_backward_bytes": (kept_backward_bytes, "g"),
+    "segment_activations_bytes": (segment_activations_bytes, "a"),
+    "recompute_end_bytes": (recompute_end_bytes, "gas"),
+    "child_forward_bytes": (lambda blk, i, g: child_forward_bytes(i, blk, g), "ig"),
+}
+
+
+@settings(max_examples=200, deadline=None)
+@given(costs_and_plans(max_blocks=10), st.randoms(use_true_random=False))
+def test_each_term_is_one_function_for_a_block_and_for_columns(case, rnd):
+    """Each term called once on the blocks' columns (`BlockColumns`, a column per argument)
+    equals the same term called block by block with ints: the numpy form and the scalar
+    elements add up the same terms."""
+    cost, _ = case
+    n = cost.n_blocks
+    cols = BlockColumns.of(cost.blocks)
+    for name, (term, letters) in TERMS.items():
+        args = [np.array([rnd.randint(0, 900) for _ in range(n)], dtype=np.int64) for _ in letters]
+        column = term(cols, *args)
+        one_by_one = [term(blk, *(int(arg[i]) for arg in args)) for i, blk in enumerate(cost.blocks)]
+        assert isinstance(column, np.ndarray) and column.dtype == np.int64, name
+        assert list(column) == one_by_one, name
+
+
+@settings(max_examples=60, deadline=None)
+@given(costs_and_plans(max_blocks=4))
+def test_no_plan_peaks_below_the_floor(case):
+    """`peak_floor_bytes` is a floor for every plan, at any nesting depth; `full` and `none` are plans."""
+    cost, _ = case
+    floor = peak_floor_bytes(cost)
+    for segs, inner in all_nested_plans(cost, 3):
+        assert predict_peak(cost, segs, None, sorted(inner)).peak_bytes >= floor, (segs, inner)
 
 
 def test_element_needs_counted_by_hand():

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from test_capacity import cost_at
 
-from lightning_ckpt.costs.block_costs import StepCost
+from lightning_ckpt.costs.block_costs import BlockCost, StepCost
+from lightning_ckpt.planning.memory_model import peak_floor_bytes, predict_peak
 from lightning_ckpt.planning.policies import InfeasibleBudgetError, make_plan
 import lightning_ckpt.report.files as report
 from lightning_ckpt.report.files import REPORT_PNG, wait_for_plots, write_json, write_report
@@ -148,6 +149,65 @@ def test_multi_level_curve_reaches_below_every_single_level_plan():
         assert plan.fits and plan.inner_segments and plan.recompute_flops == p.recompute_flops
         with pytest.raises(InfeasibleBudgetError, match=r"max_levels=1"):
             make_plan(cost, "optimal", p.peak_bytes, max_levels=1)
+
+
+def unet_chain(b: int = 8) -> StepCost:
+    """A U-Net-like chain: four blocks down, four up. The output of down block k is the skip its
+    mirror up block reads: carried across the blocks between them (`carried_fwd_bytes`, and twice
+    that in backward, with its gradient)."""
+    acts = [40 * b, 30 * b, 20 * b, 10 * b]  # the outputs of the down blocks
+    n = 2 * len(acts)
+    outs = [acts[min(i, n - 1 - i)] for i in range(n)]
+    blocks = []
+    for i, out in enumerate(outs):
+        x = outs[i - 1] if i else acts[0]
+        skips = sum(acts[k] for k in range(len(acts)) if k < i < n - 1 - k)
+        blocks.append(BlockCost(
+            f"{'down' if i < len(acts) else 'up'}{i}", saved_bytes=2 * out, input_bytes=x, input_saved_bytes=x,
+            output_bytes=out, fwd_transient_bytes=out, bwd_transient_bytes=out, grad_bytes=50, fwd_flops=100 * out,
+            carried_fwd_bytes=skips, carried_bwd_bytes=2 * skips,
+        ))
+    return StepCost(blocks=tuple(blocks), batch_size=b, static_bytes=1000, outside_grad_bytes=20)
+
+
+@pytest.mark.parametrize("max_levels", [1, 2])
+def test_curve_points_are_their_plans_and_start_at_the_models_floor(monkeypatch, max_levels):
+    """On a chain with carried storages, the multi-level curve starts at the memory model's floor
+    (`peak_floor_bytes`, which counts them), and every point's peak is `predict_peak` of the plan it
+    came from, within that plan's budget."""
+    import lightning_ckpt.report.tradeoff as tradeoff
+
+    cost = unet_chain()
+    assert any(b.carried_bwd_bytes for b in cost.blocks)
+    budgets, plans = [], []
+    solve = tradeoff.solve_nested_levels
+
+    def solve_spy(c, asked, *args, **kwargs):
+        budgets.extend(asked)
+        return solve(c, asked, *args, **kwargs)
+
+    def plan_spy(build):
+        def spy(*args, **kwargs):
+            plan = build(*args, **kwargs)
+            if plan.budget_bytes is not None:  # `full` and `none` set the range, they are no points
+                plans.append(plan)
+            return plan
+
+        return spy
+
+    monkeypatch.setattr(tradeoff, "solve_nested_levels", solve_spy)
+    monkeypatch.setattr(tradeoff, "make_plan", plan_spy(tradeoff.make_plan))
+    monkeypatch.setattr(tradeoff, "build_plan", plan_spy(tradeoff.build_plan))
+    curve = tradeoff_curve(cost, points=12, max_levels=max_levels)
+    floor = peak_floor_bytes(cost)
+    if max_levels > 1:
+        assert budgets[0] == floor, (budgets[0], floor)
+        assert any(plan.inner_segments for plan in plans)
+    assert curve and len(plans) == len(curve)
+    for point, plan in zip(curve, plans):
+        model = predict_peak(cost, plan.segments, plan.keep_ops or None, plan.inner_segments).peak_bytes
+        assert point.peak_bytes == plan.predicted_peak_bytes == model
+        assert floor <= model <= plan.budget_bytes
 
 
 @pytest.mark.parametrize("n_blocks", [4, 8])

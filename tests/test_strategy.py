@@ -66,7 +66,7 @@ def launch_two_ranks(args: list[str], out_dir: Path, timeout_s: float) -> None:
                     p.kill()
             break
         time.sleep(0.2)
-    codes = [p.wait() for p in procs]
+    codes = [p.wait(timeout=60) for p in procs]  # killed or done: at once
     if codes != [0, 0]:
         tails = "\n".join(f"--- rank {r} ---\n{(out_dir / f'rank{r}.log').read_text()[-3000:]}" for r in (0, 1))
         pytest.fail(f"two-rank job failed or hung (return codes {codes}, timeout {timeout_s} s):\n{tails}")
@@ -276,15 +276,13 @@ def test_static_bytes_other_configurations(ranks, key):
 
 @pytest.mark.slow
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
-@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.xfail(
-    reason="ZeRO-3 under bf16-mixed: since storages carried past their block are counted over their measured "
-    "lives, the forward + backward above the model state is predicted 21 % high (1.20 MB against 0.99 MB "
-    "measured): on the safe side, not yet explained", strict=False))])
+@pytest.mark.parametrize("stage", (2, 3))
 def test_bf16_activation_peak_within_10_percent(ranks, stage):
     """DeepSpeed under bf16-mixed: the profile is taken on the bf16 model
     DeepSpeed trains, so the predicted peak of forward + backward above the model state
     (activations, the gradients they produce and, at stage 3, the gathered parameters) is
-    within 10 % of the tracker's measure."""
+    within 10 % of the tracker's measure. At stage 3 the gathered parameters are counted once,
+    as the ZeRO model's `gather_bytes`: the profile does not see DeepSpeed gather them."""
     act = ranks[0]["zero"][f"{stage}/bf16-mixed"]["activation"]
     assert abs(act["predicted"] - act["measured"]) <= 0.10 * act["measured"], act
     # the profile saw the bf16 model: DeepSpeed casts all of it (no autocast), so each block
@@ -389,7 +387,7 @@ def test_zero3_example_config_runs(tmp_path):
         out, _ = proc.communicate(timeout=EXAMPLE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
-        out, _ = proc.communicate()
+        out, _ = proc.communicate(timeout=60)
         pytest.fail(f"the ZeRO-3 example did not finish in {EXAMPLE_TIMEOUT_S} s:\n{out[-3000:]}")
     assert proc.returncode == 0, out[-3000:]
     assert "lightning-ckpt plan: policy=optimal, batch_size=8" in out, out[-3000:]
@@ -512,7 +510,9 @@ def held_bytes(engine, module) -> int:
 
 def _activation_probe(cb):
     """At the end of training (plan still applied): the peak of one forward + backward at the
-    target batch above the model state, measured, and as the memory model predicts it."""
+    target batch above the model state, measured, and as the memory model predicts it. DeepSpeed's
+    gradient hooks are paused as in a profile, but its parameter gathers stay in the measure (the
+    profile leaves them to the ZeRO model's `gather_bytes`, which the prediction adds)."""
     import contextlib
     import dataclasses
 
@@ -529,7 +529,7 @@ def _activation_probe(cb):
 
         def on_train_end(self, trainer, pl_module):
             params = list(pl_module.parameters())
-            pause = getattr(trainer.strategy, "ckpt_profiling_context", contextlib.nullcontext)
+            pause = getattr(trainer.strategy, "_paused_gradient_hooks", contextlib.nullcontext)
             with pause():
                 with LiveBytesTracker() as tracker:
                     with muted_logging(pl_module), trainer.precision_plugin.train_step_context():

@@ -11,8 +11,6 @@ from lit_models import make_trainer
 
 from lightning_ckpt import ActivationCheckpointing, InfeasibleBudgetError, make_plan
 
-pytest.importorskip("transformers")
-
 BATCH = 8
 SHORT_FIRST = [16, 16, 64, 32, 64, 16, 48, 64]  # first batch at 16, later ones up to 4x longer
 

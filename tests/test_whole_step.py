@@ -179,7 +179,8 @@ def test_listing_the_module_gives_the_same_peak(gap_model):
 
 @pytest.fixture(scope="module")
 def unet():
-    diffusers = pytest.importorskip("diffusers")
+    import diffusers
+
     torch.manual_seed(0)
     model = diffusers.UNet2DModel(
         sample_size=32, in_channels=3, out_channels=3, block_out_channels=(32, 64), layers_per_block=1,
@@ -225,7 +226,8 @@ def test_blocks_none_on_the_unet_covers_down_mid_and_up(unet):
 
 @pytest.fixture(scope="module")
 def t5():
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     torch.manual_seed(0)
     config = transformers.T5Config(
         vocab_size=96, d_model=64, d_kv=16, d_ff=128, num_layers=3, num_decoder_layers=3, num_heads=4,
@@ -258,7 +260,8 @@ def test_vit_attention_dropout_refits_without_batch_one():
     """A ViT with attention dropout: a block's backward scratch at batch 1 is off the line through
     larger batches. The default probes (1, 2) checked at 4 leave batch 1 out, check the new line at
     8 and say so; `full` is then predicted within 0.5 %, and better than the line through 1 and 2."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     torch.manual_seed(0)
     config = transformers.ViTConfig(
         image_size=32, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,

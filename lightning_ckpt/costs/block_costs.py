@@ -189,25 +189,6 @@ class BlockCost:
             )
 
 
-def ckpt_forward_bytes(block: BlockCost) -> int:
-    """[constraint] What a block's forward needs above the bytes live at its entry when
-    it saves nothing (inside a checkpointed segment): measured, or else bounded by
-    what it would save and return plus its scratch, less the input it would save."""
-    if block.ckpt_fwd_peak_bytes is not None:
-        return block.ckpt_fwd_peak_bytes
-    return (
-        block.saved_bytes - block.input_saved_bytes + block.output_bytes - block.output_saved_bytes
-        + block.fwd_transient_bytes
-    )
-
-def segment_inflight_bytes(blocks, first: int, last: int) -> int:
-    """[constraint] The peak of segment [first, last]'s forward when it saves nothing, above what was
-    live before it: each block's input and in-flight bytes (`ckpt_forward_bytes`), beside the
-    segment's boundary from the second block on (as a segment's forward runs inside a recompute)."""
-    x = blocks[first].input_bytes
-    return max((x if b > first else 0) + blocks[b].input_bytes + ckpt_forward_bytes(blocks[b]) for b in range(first, last + 1))
-
-
 @dataclass(frozen=True)
 class StepCost:
     """The whole training step at one batch size.

@@ -1,5 +1,5 @@
 """The columns the exact chain planner works on: the element form of `memory_model`
-(`ElementArrays`) plus chaining, recompute in solver units, and the op-level options of
+(`element_arrays.ElementArrays`) plus chaining, recompute in solver units, and the op-level options of
 each block (`op_options`) when planning at granularity "op".
 
 Bytes are int64. Recompute in `flops` is int64 (float64 only if the sum of all block
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lightning_ckpt.costs.block_costs import StepCost
-from lightning_ckpt.planning.memory_model import (
+from lightning_ckpt.planning.element_arrays import (
     ElementArrays,
     element_arrays,
     single_segment_parts,

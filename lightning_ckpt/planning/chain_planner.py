@@ -2,7 +2,7 @@
 
 The problem: a plan is a sequence of elements ("keep block p", "checkpoint segment
 [p, b]") whose needs, resident bytes and shifts are `memory_model`'s element form
-(`element_arrays`, `segment_need_rows`; docs/design.md); its peak is
+(`element_arrays`: `element_arrays`, `segment_need_rows`; docs/design.md); its peak is
 max(opt_need, R_n + end_need - relief, max_e (R_e + need_e + shift_e)). `optimal`
 asks for the least recompute sum_e cost_e with peak <= budget, then the lowest peak.
 
@@ -83,8 +83,9 @@ import numpy as np
 
 from lightning_ckpt.planning.chain_arrays import ChainArrays, chain_arrays
 from lightning_ckpt.costs.block_costs import StepCost
-from lightning_ckpt.planning.memory_model import segment_need_rows
+from lightning_ckpt.planning.element_arrays import segment_need_rows
 from lightning_ckpt.planning.op_options import OpKey
+from lightning_ckpt.planning.pareto_front import pareto_order, pareto_prune, within
 from lightning_ckpt.planning.prefix_bound import ChainBound, chain_bound
 
 Segments = list[tuple[int, int]]
@@ -283,7 +284,7 @@ def _solve(
         # ---- the new options (segments ending at p, i.e. q = p + 1). Block p is then
         # checkpointed, so a suffix that keeps block q also holds what q shares with p.
         if m:
-            opt_d, opt_c, opt_b = _pareto_prune(nd + np.where(seg_q, 0, a.sh[q1]), nc + a.K[q1], keep_b)
+            opt_d, opt_c, opt_b = pareto_prune(nd + np.where(seg_q, 0, a.sh[q1]), nc + a.K[q1], keep_b)
             if pool_d.shape[0]:
                 # [dominance] older (longer) options beaten by a new one, where valid.
                 ext = np.empty(opt_d.shape[0] + 1, dtype=cdt)
@@ -308,7 +309,7 @@ def _solve(
                 # [expiry] whatever start r <= p the segment gets, blocks r..p and the
                 # prefix before r form a prefix of p + 1 blocks leaving <= budget - D.
                 score = pool_c - a.P[q1] + lb.bound(q1, budget - pool_d)
-                alive = _within(score, cap_eff, pool_cap if beam else 0)
+                alive = within(score, cap_eff, pool_cap if beam else 0)
                 if not alive.all():
                     pool_d, pool_c, pool_b = pool_d[alive], pool_c[alive], pool_b[alive]
 
@@ -320,7 +321,7 @@ def _solve(
         ok = kd <= budget
         if capped:
             ok &= nc <= cap
-        k_d, k_c, k_b = _pareto_prune(kd[ok], nc[ok], keep_b[ok])
+        k_d, k_c, k_b = pareto_prune(kd[ok], nc[ok], keep_b[ok])
         w = int(widths[p])
         start = pool_b.shape[0] - int(np.searchsorted(pool_b[::-1], (p + w + 1) << QS, side="left")) if w else 0
         seg_d, seg_c, seg_b, seg_o = [], [], [], []
@@ -351,7 +352,7 @@ def _solve(
             if capped:
                 ok &= sc <= cap
             sd, sc, sb, so = sd[ok], sc[ok], sb[ok], so[ok]
-            keep = _pareto_order(sd, sc)
+            keep = pareto_order(sd, sc)
             cand_d = np.concatenate((k_d, sd[keep]))
             cand_c = np.concatenate((k_c, sc[keep]))
             cand_b = np.concatenate((k_b, sb[keep]))
@@ -364,7 +365,7 @@ def _solve(
             # [bound] the prefix before p must leave at most budget - D resident
             # (budget - D + relief when the element before p can lower D by `relief`)
             score = cand_c + lb.bound(p, budget - cand_d + relief)
-            ok = _within(score, cap_eff, beam)
+            ok = within(score, cap_eff, beam)
             if not ok.all():
                 cand_d, cand_c, cand_b, cand_o = cand_d[ok], cand_c[ok], cand_b[ok], cand_o[ok]
         FD[p], FC[p], FB[p], FO[p] = cand_d, cand_c, cand_b, cand_o
@@ -406,44 +407,3 @@ def _solve(
         p = q
     best = best_cost.item()
     return best, ChainSolution(best / a.cost_scale if a.cost_scale != 1.0 else best, peak, segs, keeps)
-
-
-def _within(score: np.ndarray, cap: float, keep: int) -> np.ndarray:
-    """Mask of the entries whose bounded `score` is <= `cap` and, with `keep` > 0, among
-    the `keep` lowest scores (the beam run's cut)."""
-    ok = score <= cap
-    if keep and score.shape[0] > keep:
-        best = np.zeros(score.shape[0], dtype=bool)
-        best[np.argpartition(score, keep - 1)[:keep]] = True
-        ok &= best
-    return ok
-
-
-def _pareto_prune(d: np.ndarray, c: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """[recurrence] The states no other beats or equals on both D and C: D ascending,
-    C strictly falling; of equal D only the least C."""
-    if d.shape[0] <= 1:
-        return d, c, b
-    order = _pareto_order(d, c)
-    return d[order], c[order], b[order]
-
-
-def _pareto_order(d: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """The indices `_pareto_prune` keeps, in its order."""
-    if d.shape[0] <= 1:
-        return np.arange(d.shape[0])
-    order = np.argsort(d, kind="stable")
-    cs = c[order]
-    keep = np.empty(cs.shape[0], dtype=bool)
-    keep[0] = True
-    np.less(cs[1:], np.minimum.accumulate(cs)[:-1], out=keep[1:])
-    order = order[keep]
-    ds = d[order]
-    # equal D are not ordered by C: of a run of equal D the last kept has the least C
-    if ds.shape[0] > 1:
-        last = np.empty(ds.shape[0], dtype=bool)
-        last[-1] = True
-        np.not_equal(ds[:-1], ds[1:], out=last[:-1])
-        if not last.all():
-            order = order[last]
-    return order

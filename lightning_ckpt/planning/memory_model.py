@@ -12,8 +12,8 @@ A block checkpointed alone may keep some op outputs (op-level plans, `op_options
 its element is the one-block segment's with the kept bytes resident and in its forward
 (`selective_element`). The whole step is in the terms: what modules outside the chain
 hold and what outlives its neighbour edge (`gap_after`, the `carried_*` fields).
-`predict_peak` evaluates it (scalar form); `element_arrays` and `segment_need_rows` hold
-the same terms as numpy columns for `chain_planner`. See docs/design.md.
+Each block's part of an element is a term of `peak_terms`; `predict_peak` adds them up for one
+plan, `element_arrays` for the planners (numpy columns). See docs/design.md.
 """
 
 from __future__ import annotations
@@ -22,11 +22,17 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import numpy as np
-
-from lightning_ckpt.costs.block_costs import StepCost, ckpt_forward_bytes
+from lightning_ckpt.costs.block_costs import StepCost
 from lightning_ckpt.planning.nested_model import direct_children, nested_backward
 from lightning_ckpt.planning.op_options import Keeps, kept_bytes
+from lightning_ckpt.planning.peak_terms import (
+    block_backward_bytes,
+    gap_forward_bytes,
+    kept_backward_bytes,
+    kept_forward_bytes,
+    segment_activations_bytes,
+    segment_block_forward_bytes,
+)
 
 Segments = Sequence[tuple[int, int]]
 
@@ -141,7 +147,16 @@ def optimizer_need(cost: StepCost) -> int:
     return cost.static_bytes + cost.batch_bytes + cost.grad_bytes + cost.optimizer_transient_bytes
 
 
-# ----------------------------------------------------------------------------- elements (scalar form)
+def peak_floor_bytes(cost: StepCost) -> int:
+    """[bound] No plan peaks below this, whatever its nesting: the optimizer step, the end of the
+    forward and the head's backward, and each block's backward with what it saves rebuilt
+    (`kept_backward_bytes`), on the base bytes."""
+    after = gradients_after(cost)
+    blocks = [base_bytes(cost) + kept_backward_bytes(b, after[i]) for i, b in enumerate(cost.blocks)]
+    return max([optimizer_need(cost), end_need(cost), *blocks])
+
+
+# ----------------------------------------------------------------------------- elements
 
 
 class Element(NamedTuple):
@@ -207,18 +222,12 @@ def gap_after(cost: StepCost, last: int) -> int:
 def kept_element(cost: StepCost, p: int, terms: StepTerms) -> Element:
     """Block `p` kept (`terms` = `step_terms(cost)`).
 
-    [constraint] it leaves what it saved resident. Its forward also holds its output
-    (less the part it saves) and its scratch, with last step's gradients allocated;
-    its backward holds the gradient of its output and its scratch, with the
-    gradients of later blocks. Both hold the carried storages alive then, its forward the
-    part of its input no block saves; the gap after it runs on what it saved (less its
-    output, which the gap's bytes hold).
+    [constraint] it leaves what it saved resident; its forward is `kept_forward_bytes` (the
+    gap after it included), its backward `kept_backward_bytes`, both on the base bytes.
     """
     blk = cost.blocks[p]
-    base = terms.base_bytes + blk.saved_bytes
-    fwd = base + terms.forward_grad_bytes + blk.output_bytes - blk.output_saved_bytes + blk.fwd_transient_bytes
-    fwd = max(fwd + blk.input_unsaved_bytes + blk.carried_fwd_bytes, base + terms.forward_grad_bytes + gap_after(cost, p) - blk.output_saved_bytes)
-    bwd = base + terms.gradients_after[p] + blk.output_bytes + blk.bwd_transient_bytes + blk.carried_bwd_bytes
+    fwd = terms.base_bytes + kept_forward_bytes(blk, terms.forward_grad_bytes, gap_after(cost, p))
+    bwd = terms.base_bytes + kept_backward_bytes(blk, terms.gradients_after[p])
     return Element(p, p, False, fwd, bwd, p, blk.saved_bytes)
 
 
@@ -228,35 +237,33 @@ def segment_elements(cost: StepCost, first: int, terms: StepTerms) -> Iterator[E
     Chaining is not checked here: it decides which plans are valid, not their peak.
 
     [constraint] a segment leaves only its boundary (its first block's input) resident.
-    Its forward saves nothing: block b holds its input and what it makes in flight
-    (`ckpt_forward_bytes`), from the second block on beside the boundary. Its backward
-    rebuilds the interior at once on top of the boundary (counted once when the first
-    block saves its input); the last block's backward also sees the recompute's
-    forward scratch, and block k < b runs its backward with blocks first..k rebuilt.
-    Each block's forward and backward hold the carried storages alive then; the gap
-    after block b runs on the boundary.
+    Its forward saves nothing: block b's is `segment_block_forward_bytes`, from the second
+    block on beside the boundary; the gap after block b runs on the boundary. Its backward
+    rebuilds the interior at once (`segment_activations_bytes`); block k < b runs its
+    backward with blocks first..k rebuilt, the last block's also meets the recompute's
+    forward scratch (`block_backward_bytes`).
     """
     blocks = cost.blocks
     after = terms.gradients_after
+    base, fwd_grads = terms.base_bytes, terms.forward_grad_bytes
     x = blocks[first].input_bytes
-    fwd_base = terms.base_bytes + terms.forward_grad_bytes
-    bwd_base = terms.base_bytes + x - blocks[first].input_saved_bytes
     fwd = rebuilt = scratch = 0
     inner, inner_at = None, first  # the largest backward of a block before b, and its block
     for b in range(first, len(blocks)):
         blk = blocks[b]
-        fwd = max(fwd, fwd_base + (x if b > first else 0) + blk.input_bytes + ckpt_forward_bytes(blk) + blk.carried_fwd_bytes)
+        fwd = max(fwd, base + segment_block_forward_bytes(blk, fwd_grads, x if b > first else 0))
         rebuilt += blk.saved_bytes
         scratch = max(scratch, blk.fwd_transient_bytes)
-        held = bwd_base + after[b] + rebuilt + blk.output_bytes + blk.carried_bwd_bytes
-        last = held + max(blk.bwd_transient_bytes, scratch)
-        out = max(fwd, fwd_base + x + gap_after(cost, b))
+        acts = segment_activations_bytes(blocks[first], rebuilt)
+        last = base + block_backward_bytes(blk, after[b], acts, scratch)
+        out = max(fwd, base + gap_forward_bytes(x, fwd_grads, gap_after(cost, b)))
         if inner is None or last >= inner:
             yield Element(first, b, True, out, last, b, x)
         else:
             yield Element(first, b, True, out, inner, inner_at, x)
-        if inner is None or held + blk.bwd_transient_bytes >= inner:
-            inner, inner_at = held + blk.bwd_transient_bytes, b
+        alone = base + block_backward_bytes(blk, after[b], acts)
+        if inner is None or alone >= inner:
+            inner, inner_at = alone, b
 
 
 def selective_element(segment: Element, keep_bytes: int) -> Element:
@@ -329,122 +336,3 @@ def predict_peak(cost: StepCost, segments: Segments, keeps: Keeps | None = None,
     peak = max(fwd, bwd, opt)
     phase = "forward" if peak == fwd else ("optimizer" if peak == opt else f"backward:{cost.blocks[bwd_at].name}")
     return PeakBreakdown(int(peak), phase, int(fwd), int(bwd), int(opt))
-
-
-# ----------------------------------------------------------------------------- elements (numpy form)
-
-
-@dataclass
-class ElementArrays:
-    """The element form as int64 columns over the blocks, for the exact chain planner.
-
-    keep_need[p] is `kept_element(p).need_bytes`; `segment_need_rows` gives
-    `need_bytes` of every segment; the resident bytes are `saved` (kept) and `x` (a
-    segment's boundary). sh[p] and -o[p] are the `boundary_shift` of a kept block after
-    a checkpointed one and of a segment after a kept block (both 0 at p = 0);
-    o[n] is `end_relief` with the last block kept (the end acts as a segment start
-    whose boundary is the last block's output).
-    """
-
-    n: int
-    static: int  # base_bytes
-    fwd_grads: int  # forward_grad_bytes
-    least_bwd_grads: int  # the gradients alive during every block's backward (the least of G)
-    end_need: int
-    opt_need: int
-    saved: np.ndarray
-    x: np.ndarray  # input_bytes
-    xs: np.ndarray  # input_saved_bytes
-    sh: np.ndarray  # shared_with_previous_bytes (n + 1, 0 at 0 and n)
-    o: np.ndarray  # input_saved_by_previous_bytes (n + 1, 0 at 0, end relief at n)
-    ft: np.ndarray  # fwd_transient_bytes
-    bt: np.ndarray  # bwd_transient_bytes
-    gap: np.ndarray  # the gap after each block (`gap_after`)
-    cb: np.ndarray  # carried_bwd_bytes
-    W: np.ndarray  # prefix sums of saved (n + 1)
-    f: np.ndarray  # input + in-flight peak of a forward that saves nothing (a checkpointed block's), + carried
-    v: np.ndarray  # G + W[b+1] + out + carried (G: gradients_after)
-    inner: np.ndarray  # v + bt: backward of a non-last segment block, less the segment's base
-    keep_need: np.ndarray
-
-
-def element_arrays(cost: StepCost) -> ElementArrays:
-    """The columns of `ElementArrays` for `cost` (the same terms as the scalar form)."""
-    blocks = cost.blocks
-    n = len(blocks)
-    i64 = np.int64
-
-    def col(name):
-        return np.array([getattr(b, name) for b in blocks], dtype=i64) if n else np.zeros(0, dtype=i64)
-
-    saved, x, xs, out, os_ = (col(k) for k in ("saved_bytes", "input_bytes", "input_saved_bytes", "output_bytes", "output_saved_bytes"))
-    ft, bt, cf, cb, xu = (col(k) for k in ("fwd_transient_bytes", "bwd_transient_bytes", "carried_fwd_bytes", "carried_bwd_bytes", "input_unsaved_bytes"))
-    gap = np.concatenate((col("gap_fwd_bytes")[1:], np.zeros(min(n, 1), dtype=i64)))
-    G = np.array(gradients_after(cost), dtype=i64)
-    sh = np.concatenate((col("shared_with_previous_bytes"), np.zeros(1, dtype=i64)))
-    o = np.concatenate((col("input_saved_by_previous_bytes"), np.zeros(1, dtype=i64)))
-    sh[0] = o[0] = 0  # nothing before block 0
-    o[n] = end_relief(cost, True)
-    W = np.zeros(n + 1, dtype=i64)
-    np.cumsum(saved, out=W[1:])
-    static, fwd_grads = base_bytes(cost), forward_grad_bytes(cost)
-    v = G + W[1:] + out + cb
-    return ElementArrays(
-        n=n,
-        static=static,
-        fwd_grads=fwd_grads,
-        least_bwd_grads=int(G.min()) if n else head_grad_bytes(cost),
-        end_need=end_need(cost),
-        opt_need=optimizer_need(cost),
-        saved=saved,
-        x=x,
-        xs=xs,
-        sh=sh,
-        o=o,
-        ft=ft,
-        bt=bt,
-        gap=gap,
-        cb=cb,
-        W=W,
-        f=x + np.array([ckpt_forward_bytes(b) for b in blocks], dtype=i64).reshape(n) + cf,
-        v=v,
-        inner=v + bt,
-        # [constraint] `kept_element`: forward, the gap after it or backward, on top of what it saved
-        keep_need=static + saved + np.maximum(np.maximum(fwd_grads + out - os_ + ft + cf + xu, fwd_grads + gap - os_), G + out + bt + cb),
-    )
-
-
-def segment_need_rows(a: ElementArrays, p0: int, p1: int, width: int) -> np.ndarray:
-    """need(p, p + t) of `segment_elements` for p in [p0, p1) (rows) and t < width
-    (columns; where p + t is past the last block the values are meaningless)."""
-    pad = np.zeros(width, dtype=np.int64)
-
-    def win(arr):
-        ext = np.concatenate((arr[p0 : min(p1 + width, a.n)], pad))
-        return np.lib.stride_tricks.sliding_window_view(ext, width)[: p1 - p0]
-
-    rows = slice(p0, p1)
-    # [constraint] forward without saving: block b holds its input and what it makes in
-    # flight (`f`), from b = p + 1 on top of the boundary x_p as well.
-    fwd = win(a.f) + a.x[rows, None]
-    fwd[:, 0] -= a.x[rows]
-    np.maximum.accumulate(fwd, axis=1, out=fwd)
-    np.maximum(fwd, win(a.gap) + a.x[rows, None], out=fwd)  # the gap after the segment, on its boundary
-    fwd += a.static + a.fwd_grads
-    # [constraint] backward: the interior is rebuilt at once on top of the boundary; the
-    # last block's backward also sees the recompute's forward scratch; block k < b runs
-    # its backward with blocks p..k still rebuilt.
-    last = win(a.v) + np.maximum(win(a.bt), np.maximum.accumulate(win(a.ft), axis=1))
-    if width > 1:
-        inner = np.maximum.accumulate(win(a.inner), axis=1)
-        np.maximum(last[:, 1:], inner[:, :-1], out=last[:, 1:])
-    last += (a.static + a.x[rows] - a.xs[rows] - a.W[rows])[:, None]
-    return np.maximum(fwd, last, out=fwd)
-
-
-def single_segment_parts(a: ElementArrays) -> tuple[np.ndarray, np.ndarray]:
-    """Forward and backward bytes of every one-block segment [p, p] (`segment_elements`),
-    apart: a selective block adds its kept bytes to the forward only (`selective_element`)."""
-    fwd = a.static + a.fwd_grads + np.maximum(a.f, a.x + a.gap)
-    bwd = a.static + a.x - a.xs + a.v - a.W[:-1] + np.maximum(a.bt, a.ft)
-    return fwd, bwd

@@ -8,16 +8,23 @@ only its input. Its backward changes: its recompute saves, for each of its direc
 children, only the child's input, and for each block in no child, what the block saves;
 each child is rebuilt again when its own backward comes (rotor / revolve schedules).
 
-This module holds the memory terms of such a segment's backward and its recompute cost;
-`memory_model.predict_peak` and `recompute_cost.recompute_cost` use them, so a plan
-with children has one definition of its peak. `nested_planner` solves over the same terms.
+This module adds up such a segment's backward from the terms of `peak_terms`, and its
+recompute cost; `memory_model.predict_peak` and `recompute_cost.recompute_cost` use them, so a
+plan with children has one definition of its peak. `nested_planner` solves over the same terms.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lightning_ckpt.costs.block_costs import StepCost, segment_inflight_bytes
+from lightning_ckpt.costs.block_costs import StepCost
+from lightning_ckpt.planning.peak_terms import (
+    child_forward_bytes,
+    kept_backward_bytes,
+    recompute_end_bytes,
+    segment_activations_bytes,
+    segment_inflight_bytes,
+)
 
 Span = tuple[int, int]
 
@@ -110,29 +117,26 @@ def nested_backward(cost: StepCost, first: int, last: int, inner: Sequence[Span]
     [constraint] the recompute rebuilds, on top of the segment's input x (its first block's
     input, counted once with what that block saves when it saves it), the elements of
     `inner_elements` left to right: a block in no child adds what it saves (resident P), a
-    child adds its input. The terms, each on top of x and the P before it:
-      block p:  saved_p + G_p + out_p + bwd_scratch_p            (its backward)
+    child adds its input. The terms (`peak_terms`), each on top of x and the P before it:
+      block p:  its backward on what it saved (`kept_backward_bytes`)
       child c:  the child's own backward (this function, or a plain segment's), and, when
-                something after it is saved, its forward inside the recompute: a plain
-                segment's in-flight bytes with G_last + out_last (gradients held then) instead of
-                last step's gradients
-      end:      P_all + G_last + out_last + max fwd_scratch over blocks in no child
-                (the last block's backward meets the recompute's forward scratch)
+                something after it is saved, its forward inside the recompute
+                (`child_forward_bytes`)
+      end:      the recompute's forward scratch (the largest of the blocks in no child) as the
+                last block's backward begins, on P_all (`recompute_end_bytes`)
     Neighbours share storages as at the top level (`memory_model.boundary_shift`): a block
     after a child also holds what it shares with the child's last block; a child after a
     block finds its input already resident when that block saved it. With no children
     this equals `memory_model.segment_elements`' backward.
 
     `terms` is `memory_model.step_terms(cost)`; `plain(a, b)` the plain segment's element
-    (`memory_model.segment_elements`), whose forward a child keeps inside the recompute.
+    (`memory_model.segment_elements`), whose backward a child without children has.
     """
     blocks = cost.blocks
-    gradients_after = terms.gradients_after
-    base, fwd_grads = terms.base_bytes, terms.forward_grad_bytes
+    after = terms.gradients_after
     elements = inner_elements(first, last, inner)
-    held_grads = gradients_after[last] + blocks[last].output_bytes + blocks[last].carried_bwd_bytes
-    head = blocks[first]
-    resident = head.input_bytes - head.input_saved_bytes if not elements[0][2] else 0
+    tail, tail_grads = blocks[last], after[last]
+    resident = segment_activations_bytes(blocks[first], 0) if not elements[0][2] else 0
     best, at = -1, last
     scratch = 0
     prev_child: bool | None = None
@@ -144,11 +148,11 @@ def nested_backward(cost: StepCost, first: int, last: int, inner: Sequence[Span]
                 need, where = nested_backward(cost, a, b, inner, terms, plain)
             else:
                 alone = plain(a, b)
-                need, where = alone.backward_bytes - base, alone.backward_block
+                need, where = alone.backward_bytes - terms.base_bytes, alone.backward_block
             if resident + need >= best:
                 best, at = resident + need, where
             if j < len(elements) - 1:
-                fwd = segment_inflight_bytes(blocks, a, b) + held_grads
+                fwd = child_forward_bytes(segment_inflight_bytes(blocks, a, b), tail, tail_grads)
                 if resident + fwd >= best:
                     best, at = resident + fwd, b
             resident += blocks[a].input_bytes
@@ -156,14 +160,15 @@ def nested_backward(cost: StepCost, first: int, last: int, inner: Sequence[Span]
             blk = blocks[a]
             if prev_child:
                 resident += blk.shared_with_previous_bytes
-            need = blk.saved_bytes + gradients_after[a] + blk.output_bytes + blk.bwd_transient_bytes + blk.carried_bwd_bytes
-            if resident + need >= best:
-                best, at = resident + need, a
+            need = resident + kept_backward_bytes(blk, after[a])
+            if need >= best:
+                best, at = need, a
             resident += blk.saved_bytes
             scratch = max(scratch, blk.fwd_transient_bytes)
         prev_child = child
-    if resident + held_grads + scratch >= best:
-        best, at = resident + held_grads + scratch, last
+    end = recompute_end_bytes(tail, tail_grads, resident, scratch)
+    if end >= best:
+        best, at = end, last
     return best, at
 
 

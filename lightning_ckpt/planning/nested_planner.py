@@ -25,15 +25,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lightning_ckpt.costs.block_costs import StepCost, segment_inflight_bytes
+from lightning_ckpt.costs.block_costs import StepCost
+from lightning_ckpt.planning.element_arrays import element_arrays
 from lightning_ckpt.planning.memory_model import (
     base_bytes,
-    element_arrays,
     end_need,
     end_relief,
     optimizer_need,
     segment_elements,
     step_terms,
+)
+from lightning_ckpt.planning.peak_terms import (
+    child_forward_bytes,
+    kept_backward_bytes,
+    recompute_end_bytes,
+    segment_activations_bytes,
+    segment_inflight_bytes,
 )
 from lightning_ckpt.planning.recompute_cost import (
     block_recompute,
@@ -69,21 +76,19 @@ class _Tables:
         self.M = room // q if room >= 0 else -1
         self.m = np.arange(self.M + 1) if self.M >= 0 else np.zeros(0, dtype=np.int64)
         a = element_arrays(cost)
-        G = np.array(terms.gradients_after, dtype=np.int64)
-        out = np.array([b.output_bytes for b in blocks], dtype=np.int64)
 
         def up(v):
             return -(-np.asarray(v, dtype=np.int64) // q)
 
-        self.Tk = up(a.saved + G + out + a.bt + a.cb)
+        self.Tk = up(kept_backward_bytes(a.blocks, a.G))  # a saving block's backward
         self.Rk = up(a.saved)
         self.Rx = up(a.x)
         self.SH = up(a.sh[:n])
         self.O = np.asarray(a.o[:n], dtype=np.int64) // q
-        self.X0 = up(a.x - a.xs)
+        self.X0 = up(segment_activations_bytes(a.blocks, 0))
         self.keep_need = up(a.keep_need - self.base)
-        self.held = G + out + a.cb  # gradients (and carried bytes) held while a parent ending at b rebuilds
-        self.ft = a.ft
+        self.blocks, self.G = blocks, a.G  # for the terms of a parent ending at b
+        self.ft = a.blocks.fwd_transient_bytes
         self.up = up
         self.next_break = np.full(n, n, dtype=np.int64)  # first block k > p that does not chain from k - 1
         nb = n
@@ -106,7 +111,7 @@ class _Tables:
                 self.rfwd[p, el.last] = segment_inflight_bytes(blocks, p, el.last)
         self.fwd_grads = terms.forward_grad_bytes
         self.end = [up(end_need(cost) - self.base - end_relief(cost, kept)) for kept in (True, False)]
-        self.phis = sorted({0, *(int(v) for v in a.ft)})
+        self.phis = sorted({0, *(int(v) for v in self.ft)})
         self.S: dict[int, np.ndarray] = {}  # depth -> (n, n, M + 1) costs (1: plain segments)
         self.choice: dict[int, np.ndarray] = {}  # depth -> (n, n, M + 1): -2 plain, -1 first block saves, e child
         self.phi_at: dict[int, np.ndarray] = {}
@@ -136,6 +141,10 @@ class _Tables:
             cand[self.m[None, :] < need[:, None]] = INF
         return cand
 
+    def child_forward(self, p: int, es: np.ndarray, b: int) -> np.ndarray:
+        """The forward of children [p, e] (e in `es`) inside the recompute of a parent ending at b."""
+        return child_forward_bytes(self.rfwd[p, es], self.blocks[b], self.G[b])
+
     def plain_rows(self, a: int, es: np.ndarray) -> np.ndarray:
         c = self.P[es + 1] - self.P[a] - self.tail[es] + self.ovh
         return np.where(self.m[None, :] >= self.up(self.bwd[a, es])[:, None], c[:, None], INF)
@@ -157,14 +166,14 @@ class _Tables:
     def inner_table(self, d: int, b: int, phi: int, lo: int, record: bool = False):
         M1 = self.M + 1
         D = np.full((2, b + 2, M1), INF)  # D[k, p]: k = 1 when the element before p is a child
-        D[:, b + 1] = np.where(self.m >= self.up(self.held[b] + phi), 0.0, INF)
+        D[:, b + 1] = np.where(self.m >= self.up(recompute_end_bytes(self.blocks[b], self.G[b], 0, phi)), 0.0, INF)
         picks = np.full((2, b + 2, M1), -3, dtype=np.int32) if record else None
         for p in range(b, lo - 1, -1):
             e1 = self.last_chained(p, b)
             es = np.arange(p, e1 + 1)
             kids = self.child_rows(d - 1, p, p, e1)
             add = np.where(es < b, self.P[es + 1] - self.P[p], 0.0)[:, None]
-            cf = np.where(es < b, self.up(self.rfwd[p, es] + self.held[b]), 0)
+            cf = np.where(es < b, self.up(self.child_forward(p, es, b)), 0)
             labels = np.concatenate(([-1], es))
             same = self.SH[p] == 0 and self.O[p] == 0
             for k in (0, 1):
@@ -196,7 +205,7 @@ class _Tables:
         es = np.arange(a, e1 + 1)
         cand = self.child_rows(d - 1, a, a, e1) + self.shift(D[1, a + 1 : e1 + 2], self.Rx[a])
         cand += (self.P[es + 1] - self.P[a])[:, None]
-        self.below(cand, self.up(self.rfwd[a, es] + self.held[b]))
+        self.below(cand, self.up(self.child_forward(a, es, b)))
         val, lab = self.pick(np.vstack((keep[None, :], cand)), np.concatenate(([-1], es)))
         return val + self.ovh, lab
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_ckpt.costs.block_costs import StepCost
-from lightning_ckpt.planning.memory_model import base_bytes, end_need, gradients_after, optimizer_need
+from lightning_ckpt.planning.memory_model import peak_floor_bytes
 from lightning_ckpt.planning.nested_planner import NESTED_MAX_BLOCKS, solve_nested_levels
 from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.planning.policies import InfeasibleBudgetError, build_plan, make_plan
@@ -40,22 +40,14 @@ def _curve_slots(n_blocks: int) -> int:
 
 def tradeoff_curve(cost: StepCost, points: int = 16, metric: str = "flops", max_levels: int = 1) -> list[TradeoffPoint]:
     """The optimal plan at `points` budgets: single-level (`max_levels` = 1) from the `full`
-    peak to the `none` peak; multi-level from the step's floor (parameters, gradients,
-    optimizer state, batch, and the largest backward of any block) to the `full` peak, where
-    nesting is what fits. The multi-level points come from one solve (`solve_nested_levels`:
-    the tables of the largest budget hold the least recompute at every smaller one)."""
+    peak to the `none` peak; multi-level from the step's floor (`memory_model.peak_floor_bytes`:
+    no plan at any nesting depth peaks lower) to the `full` peak, where nesting is what fits.
+    The multi-level points come from one solve (`solve_nested_levels`: the tables of the
+    largest budget hold the least recompute at every smaller one)."""
     full = make_plan(cost, "full").predicted_peak_bytes
     none = make_plan(cost, "none").predicted_peak_bytes
     if max_levels > 1:
-        # [bound] whatever the nesting, each block's backward holds its rebuilt activations, the
-        # gradients of later blocks and of its output, and its scratch, on top of the base bytes
-        after = gradients_after(cost)
-        lo = max(
-            [optimizer_need(cost), end_need(cost)]
-            + [base_bytes(cost) + b.saved_bytes + after[i] + b.output_bytes + b.bwd_transient_bytes
-               for i, b in enumerate(cost.blocks)]
-        )
-        hi = min(full, none)
+        lo, hi = peak_floor_bytes(cost), min(full, none)
     else:
         lo, hi = min(full, none), none
     budgets = [int(lo + (hi - lo) * k / max(1, points - 1)) for k in range(points)]

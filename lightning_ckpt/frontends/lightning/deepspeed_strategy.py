@@ -2,7 +2,8 @@
 
 On CUDA it is Lightning's, unchanged; on the CPU accelerator (`DS_ACCELERATOR=cpu`, gloo) it skips Lightning's
 three CUDA-only steps. It gives `ActivationCheckpointing` the per-rank static memory of the ZeRO stage and a
-profiling context that pauses DeepSpeed's gradient hooks. The only module of lightning-ckpt importing `deepspeed`.
+profiling context that pauses DeepSpeed's gradient hooks and keeps ZeRO-3's parameter gathers out of the profile.
+The only module of lightning-ckpt importing `deepspeed`.
 """
 
 from __future__ import annotations
@@ -186,8 +187,15 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
     @contextlib.contextmanager
     def ckpt_profiling_context(self) -> Iterator[None]:
         """Profiling steps run forward and backward outside DeepSpeed's engine: pause the
-        gradient hooks DeepSpeed put on the parameters (they would reduce and partition the
-        profiling gradients into its buffers), and restore them afterwards."""
+        gradient hooks DeepSpeed put on the parameters (`_paused_gradient_hooks`) and, under
+        ZeRO-3, keep its parameter gathering out of the profile (`_unseen_parameter_gathers`)."""
+        with self._paused_gradient_hooks(), self._unseen_parameter_gathers():
+            yield
+
+    @contextlib.contextmanager
+    def _paused_gradient_hooks(self) -> Iterator[None]:
+        """Pause the gradient hooks DeepSpeed put on the parameters (they would reduce and
+        partition the profiling gradients into its buffers), and restore them afterwards."""
         params = [p for p in self.lightning_module.parameters() if p.requires_grad]
         stash = []
         for p in params:
@@ -200,6 +208,54 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
         finally:
             for hooks, saved in stash:
                 hooks.update(saved)
+
+    @contextlib.contextmanager
+    def _unseen_parameter_gathers(self) -> Iterator[None]:
+        """ZeRO-3: run DeepSpeed's parameter fetches and releases with the dispatch modes that
+        profile the step switched off. The gathered parameters are the static memory's
+        `ZeroMemory.gather_bytes`; seen by the profile they were counted again as activations:
+        with a complete trace DeepSpeed gathers every parameter after the first module's, in one
+        flat buffer that lives until the last of them is used, and copies each parameter out of
+        it, all before the first block (`pre_saved_bytes`, resident all step in the memory model).
+        Without a trace the gathers land in each block's scratch instead. No-op below stage 3."""
+        coordinator = _param_coordinator(self.model)
+        if coordinator is None:
+            yield
+            return
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        def unseen(method: Any) -> Any:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                with _disable_current_modes():
+                    return method(*args, **kwargs)
+
+            return call
+
+        names = [n for n in _COORDINATOR_GATHERS if hasattr(coordinator, n)]
+        for name in names:  # an instance attribute: DeepSpeed's hooks look the method up at each call
+            setattr(coordinator, name, unseen(getattr(coordinator, name)))
+        try:
+            yield
+        finally:
+            for name in names:
+                vars(coordinator).pop(name, None)
+
+
+# The methods of DeepSpeed's ZeRO-3 `PartitionedParameterCoordinator` that all-gather, copy out
+# or free parameters (`reset_step` and `release_and_reset_all` wait on prefetches still in flight).
+_COORDINATOR_GATHERS = (
+    "fetch_sub_module", "release_sub_module", "reset_step", "release_and_reset_all", "release_backward_leftovers",
+)
+
+
+def _param_coordinator(engine: Any) -> Any:
+    """DeepSpeed's ZeRO-3 parameter coordinator of `engine` (held by the stage-3 optimizer, or by
+    the engine's `DeepSpeedZeRoOffload` when it trains without one); None below stage 3 or
+    before `deepspeed.initialize`."""
+    holder = getattr(engine, "optimizer", None)
+    holder = getattr(holder, "parameter_offload", holder)
+    get = getattr(holder, "get_param_coordinator", None)
+    return get() if callable(get) else None
 
 
 def _param_sizes(module: nn.Module) -> list[tuple[int, bool]]:
