@@ -56,7 +56,7 @@ from oracles import reference_optimal_segments  # noqa: E402  (tests/oracles.py)
 from lightning_ckpt.planning.chain_planner import solve_chain  # noqa: E402
 from lightning_ckpt.costs.block_costs import BlockCost, StepCost  # noqa: E402
 from lightning_ckpt.planning.memory_model import predict_peak  # noqa: E402
-from lightning_ckpt.planning.policies import every_k_segments  # noqa: E402
+from lightning_ckpt.planning.segment_shapes import every_k_segments  # noqa: E402
 from lightning_ckpt.planning.recompute_cost import recompute_cost  # noqa: E402
 
 # examples/train_encoder.py, EncoderClassifier(), batch 16, AdamW after one step:

@@ -25,12 +25,8 @@ from lightning_ckpt.planning.chain_planner import solve_chain
 from lightning_ckpt.costs.block_costs import BlockCost, StepCost
 from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.planning.memory_model import predict_peak
-from lightning_ckpt.planning.policies import (
-    InfeasibleBudgetError,
-    every_k_segments,
-    make_plan,
-    optimal_segments,
-)
+from lightning_ckpt.planning.policies import InfeasibleBudgetError, make_plan, optimal_segments
+from lightning_ckpt.planning.segment_shapes import every_k_segments
 from lightning_ckpt.planning.recompute_cost import recompute_cost
 
 BEAMS = (0, 1, 3)  # 0: one uncapped run; >0: a beam run bounds the exact run (forced on small chains)

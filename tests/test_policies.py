@@ -12,13 +12,8 @@ from oracles import brute_force
 
 from lightning_ckpt.costs.block_costs import BlockCost, StepCost
 from lightning_ckpt.planning.memory_model import predict_peak
-from lightning_ckpt.planning.policies import (
-    InfeasibleBudgetError,
-    every_k_segments,
-    make_plan,
-    optimal_segments,
-    sqrt_segments,
-)
+from lightning_ckpt.planning.policies import InfeasibleBudgetError, make_plan, optimal_segments
+from lightning_ckpt.planning.segment_shapes import every_k_segments, sqrt_segments
 from lightning_ckpt.planning.recompute_cost import recompute_cost
 
 MiB = 2**20

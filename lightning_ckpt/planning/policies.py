@@ -32,6 +32,13 @@ from lightning_ckpt.planning.op_options import (
 )
 from lightning_ckpt.planning.plan import BlockRow, Plan
 from lightning_ckpt.units import format_bytes
+from lightning_ckpt.planning.segment_shapes import (
+    chainable,
+    every_k_segments,
+    runs_to_segments,
+    split_unchainable,
+    sqrt_segments,
+)
 from lightning_ckpt.planning.recompute_cost import (
     block_recompute,
     metric_rates,
@@ -43,54 +50,6 @@ POLICIES = ("none", "full", "every_k", "sqrt", "greedy", "optimal")
 
 class InfeasibleBudgetError(ValueError):
     """No plan of the requested kind fits the memory budget."""
-
-
-# ----------------------------------------------------------------------------- fixed shapes
-
-
-def every_k_segments(n_blocks: int, k: int) -> list[tuple[int, int]]:
-    """Every block checkpointed, in consecutive segments of `k` blocks."""
-    if k < 1:
-        raise ValueError(f"every_k needs k >= 1, got k={k}; k is the number of blocks per segment.")
-    return [(i, min(i + k - 1, n_blocks - 1)) for i in range(0, n_blocks, k)]
-
-
-def sqrt_segments(n_blocks: int) -> list[tuple[int, int]]:
-    """The square-root rule: about sqrt(n) segments of about sqrt(n) blocks."""
-    if n_blocks == 0:
-        return []
-    return every_k_segments(n_blocks, max(1, round(math.sqrt(n_blocks))))
-
-
-def runs_to_segments(checkpointed: Sequence[int], merge: bool) -> list[tuple[int, int]]:
-    """Turn checkpointed block indices into segments: one per block, or merged runs."""
-    idx = sorted(set(checkpointed))
-    if not merge:
-        return [(i, i) for i in idx]
-    segs: list[tuple[int, int]] = []
-    for i in idx:
-        if segs and segs[-1][1] == i - 1:
-            segs[-1] = (segs[-1][0], i)
-        else:
-            segs.append((i, i))
-    return segs
-
-
-def _chainable(cost: StepCost, segments: Sequence[tuple[int, int]]) -> bool:
-    return all(cost.blocks[i].chains_from_previous for a, b in segments for i in range(a + 1, b + 1))
-
-
-def _split_unchainable(cost: StepCost, segments: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Cut segments where a block does not take the previous block's output."""
-    out = []
-    for a, b in segments:
-        start = a
-        for i in range(a + 1, b + 1):
-            if not cost.blocks[i].chains_from_previous:
-                out.append((start, i - 1))
-                start = i
-        out.append((start, b))
-    return out
 
 
 # ----------------------------------------------------------------------------- greedy
@@ -120,7 +79,7 @@ def greedy_segments(cost: StepCost, budget_bytes: int, metric: str = "flops") ->
     for i in order:
         chosen.append(i)
         for merge in (False, True):
-            segs = _split_unchainable(cost, runs_to_segments(chosen, merge))
+            segs = split_unchainable(cost, runs_to_segments(chosen, merge))
             if predict_peak(cost, segs).peak_bytes <= budget_bytes:
                 return segs
     raise InfeasibleBudgetError(_infeasible_message(cost, budget_bytes, "greedy"))
@@ -316,10 +275,10 @@ def make_plan(
     elif policy == "full":
         segs = every_k_segments(n, 1)
     elif policy == "sqrt":
-        segs = _split_unchainable(cost, sqrt_segments(n))
+        segs = split_unchainable(cost, sqrt_segments(n))
     elif policy == "every_k":
         if every_k is not None:
-            segs = _split_unchainable(cost, every_k_segments(n, every_k))
+            segs = split_unchainable(cost, every_k_segments(n, every_k))
         else:
             segs = _smallest_fitting_k(cost, budget_bytes)
     elif policy == "greedy":
@@ -330,7 +289,7 @@ def make_plan(
             raise InfeasibleBudgetError(_infeasible_message(cost, budget_bytes, "optimal", max_levels))
         segs, keeps, gap = found.segments, found.keeps, found.gap
     segs = validate_segments(n, segs)
-    if not _chainable(cost, segs):
+    if not chainable(cost, segs):
         raise ValueError(
             "a segment spans a block that does not take the previous block's output as its first argument; "
             "such blocks can only be checkpointed one per segment."
@@ -343,7 +302,7 @@ def make_plan(
 
 def _smallest_fitting_k(cost: StepCost, budget_bytes: int) -> list[tuple[int, int]]:
     for k in range(1, max(cost.n_blocks, 1) + 1):
-        segs = _split_unchainable(cost, every_k_segments(cost.n_blocks, k))
+        segs = split_unchainable(cost, every_k_segments(cost.n_blocks, k))
         if predict_peak(cost, segs).peak_bytes <= budget_bytes:
             return segs
     raise InfeasibleBudgetError(_infeasible_message(cost, budget_bytes, "every_k"))
@@ -361,7 +320,7 @@ def build_plan(
 ) -> Plan:
     segs = validate_segments(cost.n_blocks, segments)
     inner = validate_nested(cost.n_blocks, segs, inner_segments)
-    if inner and not _chainable(cost, inner):
+    if inner and not chainable(cost, inner):
         raise ValueError(
             "an inner segment spans a block that does not take the previous block's output as its first argument; "
             "such blocks can only be checkpointed one per segment."
