@@ -334,14 +334,22 @@ def all_nested_plans(cost: StepCost, levels: int):
     yield from rest(0)
 
 
-def brute_force_nested(cost: StepCost, budget: int, levels: int, metric: str = "flops"):
-    """(least recompute, segments, inner) over every nested plan within `budget`, or None."""
-    best = None
+def nested_plan_table(cost: StepCost, levels: int, metric: str = "flops") -> list[tuple[int, float, list, list]]:
+    """(peak, recompute, segments, inner) of every nested plan, each evaluated with `predict_peak`
+    and `recompute_cost`, in the order `all_nested_plans` gives them: one table serves any budget."""
+    table = []
     for segs, inner in all_nested_plans(cost, levels):
         inner = sorted(inner)
-        if predict_peak(cost, segs, None, inner).peak_bytes > budget:
-            continue
-        c = recompute_cost(cost, segs, metric, None, inner)
-        if best is None or c < best[0]:
+        peak = predict_peak(cost, segs, None, inner).peak_bytes
+        table.append((peak, recompute_cost(cost, segs, metric, None, inner), segs, inner))
+    return table
+
+
+def brute_force_nested(cost: StepCost, budget: int, levels: int, metric: str = "flops", table=None):
+    """(least recompute, segments, inner) over every nested plan within `budget`, or None;
+    `table`: `nested_plan_table(cost, levels, metric)` when it is already made."""
+    best = None
+    for peak, c, segs, inner in nested_plan_table(cost, levels, metric) if table is None else table:
+        if peak <= budget and (best is None or c < best[0]):
             best = (c, segs, inner)
     return best

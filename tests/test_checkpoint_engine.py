@@ -156,6 +156,24 @@ def test_the_model_s_own_checkpointing_kept_in_charge_applies_nothing(monkeypatc
     engine.close()
 
 
+def test_what_the_model_can_only_report_is_said_once(monkeypatch):
+    """The hazards `prepare_model` reads off the model (LayerDrop, output_* flags) reach the front end
+    as warnings, each once however often the blocks are bound again (a second fit)."""
+    from lightning_ckpt.engine.model_prep import Prepared
+
+    engine, driver = _engine()
+    hazards = ("layerdrop=0.1 in the HF config of Stack at 'decoder': LayerDrop skips layers", "output_attentions=True")
+    monkeypatch.setattr(
+        "lightning_ckpt.engine.checkpoint_engine.prepare_model", lambda model, **kw: Prepared(hazards=hazards)
+    )
+    engine.bind(engine.blocks, engine.block_names, model=driver.model)
+    engine.bind(engine.blocks, engine.block_names, model=driver.model)
+    assert [m for m in driver.messages if "layerdrop" in m or "output_attentions" in m] == [
+        f"lightning-ckpt: {h}." for h in hazards
+    ]
+    engine.close()
+
+
 def test_engine_needs_blocks_first():
     engine = CheckpointEngine(EngineSettings(10**9), Driver(TinyChain()))
     with pytest.raises(RuntimeError, match=r"call bind\(blocks, names\) first"):

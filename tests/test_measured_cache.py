@@ -53,7 +53,7 @@ def test_a_kept_timing_is_read_back_for_the_same_key_only(folder):
     assert kept("rates", {"a": 1}, measure) == {"x": 2.0} and measure.calls == 1
     assert kept("rates", {"a": 2}, measure) == {"x": 3.0} and measure.calls == 2
     assert kept("other", {"a": 1}, measure) == {"x": 4.0} and measure.calls == 3  # each kind its own file
-    assert sorted(p.name for p in folder.iterdir()) == ["other.json", "rates.json"]
+    assert sorted(p.name for p in folder.glob("*.json")) == ["other.json", "rates.json"]  # beside them: their locks
 
 
 def test_remeasuring_replaces_what_was_kept(folder, monkeypatch):
@@ -76,7 +76,8 @@ def test_keeping_off_measures_every_time(monkeypatch):
 def test_a_damaged_or_unwritable_file_only_costs_a_measurement(folder, tmp_path, monkeypatch):
     (folder / "rates.json").write_text("{not json")
     measure = Counting()
-    assert kept("rates", {"a": 1}, measure) == {"x": 2.0}
+    with pytest.warns(UserWarning, match=r"rates\.json dropped \(it is not JSON"):
+        assert kept("rates", {"a": 1}, measure) == {"x": 2.0}
     assert json.loads((folder / "rates.json").read_text())  # replaced by a whole file
     blocked = tmp_path / "a-file"
     blocked.write_text("")

@@ -156,3 +156,33 @@ def test_fit_warns_when_a_measured_step_is_over_the_budget(tmp_path):
             make_trainer([cb], max_steps=2, default_root_dir=str(tmp_path)).fit(LitChain(), datamodule=TokenData(batch_size=8))
     finally:
         CheckpointEngine._plan_shape = real
+
+
+def test_a_report_that_cannot_take_the_measured_peak_is_a_warning_and_stays_whole(tmp_path, monkeypatch):
+    """Adding the measured peak replaces the JSON whole: a rename refused (a full or read-only disk)
+    leaves the report as it was, and a report gone or damaged is one warning; nothing raises."""
+    import json
+    import os
+
+    from lightning_ckpt.frontends.lightning.measured_peak import _add_to_report
+
+    report = tmp_path / "lightning_ckpt_plan.json"
+    report.write_text(json.dumps({"plan": {}}))
+    before = report.read_bytes()
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", refused)
+        with pytest.warns(UserWarning, match="measured peak could not be added to the report .*PermissionError"):
+            _add_to_report(report, {"tracked_peak_bytes": 1})
+    assert report.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [report.name]
+    _add_to_report(report, {"tracked_peak_bytes": 1})
+    assert json.loads(report.read_text())["measured"] == {"tracked_peak_bytes": 1}
+    report.write_text("{not json")
+    with pytest.warns(UserWarning, match="JSONDecodeError"):
+        _add_to_report(report, {"tracked_peak_bytes": 2})
+    report.unlink()
+    with pytest.warns(UserWarning, match="FileNotFoundError"):
+        _add_to_report(report, {"tracked_peak_bytes": 2})

@@ -13,7 +13,7 @@ import dataclasses
 import random
 
 import pytest
-from oracles import all_nested_plans, brute_force_nested
+from oracles import all_nested_plans, brute_force_nested, nested_plan_table
 
 from lightning_ckpt.costs.block_costs import BlockCost, StepCost
 from lightning_ckpt.planning.memory_model import base_bytes, predict_peak
@@ -68,9 +68,10 @@ def _budgets(rng: random.Random, cost: StepCost) -> list[int]:
     return sorted({rng.randint(lo, full + 10) for _ in range(4)} | {full - 1})
 
 
-def _check(cost: StepCost, budget: int, levels: int) -> str:
-    """'' when solve_nested equals brute force; which kind of answer it was otherwise."""
-    want = brute_force_nested(cost, budget, levels)
+def _check(cost: StepCost, budget: int, levels: int, table=None) -> str:
+    """'' when solve_nested equals brute force; which kind of answer it was otherwise. `table`: the
+    brute force's evaluated plans of `cost` (`oracles.nested_plan_table`), shared by its budgets."""
+    want = brute_force_nested(cost, budget, levels, table=table)
     got = solve_nested(cost, budget, "flops", levels)
     assert (want is None) == (got is None), (budget, levels, want, got)
     if got is None:
@@ -91,8 +92,9 @@ def test_equals_brute_force_on_small_chains():
         n = rng.randint(1, 6)
         cost = deep_cost(rng, n, accumulate=flags.random() < 0.5)
         levels = rng.choice((1, 2, 3))
+        table = nested_plan_table(cost, levels)
         for budget in _budgets(rng, cost):
-            kinds.append(_check(cost, budget, levels))
+            kinds.append(_check(cost, budget, levels, table))
     # the cases cover all three answers, multi-level ones many times
     assert kinds.count("nested") >= 30 and kinds.count("single") >= 30 and kinds.count("none") >= 20, [kinds.count(k) for k in ("nested", "single", "none")]
 
@@ -102,8 +104,9 @@ def test_equals_brute_force_on_eight_blocks():
     kinds = []
     for accumulate in (False, True):
         cost = deep_cost(rng, 8, accumulate=accumulate)
+        table = nested_plan_table(cost, 2)
         for budget in _budgets(rng, cost)[:3]:
-            kinds.append(_check(cost, budget, 2))
+            kinds.append(_check(cost, budget, 2, table))
     assert "nested" in kinds
 
 

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_ckpt.apply.segments import AppliedPlan, BatchNormGuard
+from lightning_ckpt.apply.segments import AppliedPlan
+from lightning_ckpt.apply.state_guard import StateGuard
 from lightning_ckpt.profiling.applied_marks import mark, refuse_marked
 
 __all__ = [
@@ -79,7 +80,8 @@ class CompiledRegion:
 
     Traced by dynamo (a checkpoint higher-order op; inductor saves the block's input and
     recomputes the rest in the backward graph). Run eagerly it is torch's checkpoint with RNG
-    state preserved and the BatchNorm guard on the recompute, as the hook-based regions do.
+    state preserved and the recompute run on the module state the forward saw (`StateGuard`), as the
+    hook-based regions do.
     A small class, not a closure, so `copy.deepcopy` and pickling keep working.
     """
 
@@ -89,10 +91,13 @@ class CompiledRegion:
         self.guard_batchnorm = guard_batchnorm
         self.warn_eager = warn_eager
         self.previous = module.__dict__.get("forward")  # an instance `forward` set before ours
+        # the state the block's forward writes, found at its first eager forward (`state_guard`)
+        self.state_guard = StateGuard([module]) if guard_batchnorm else None
 
     def _context_fn(self) -> tuple[Any, Any]:
-        guard = BatchNormGuard([self.module]) if self.guard_batchnorm else None
-        return contextlib.nullcontext(), guard if guard is not None else contextlib.nullcontext()
+        if self.state_guard is None:
+            return contextlib.nullcontext(), contextlib.nullcontext()
+        return self.state_guard.contexts()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         fn = self.previous if self.previous is not None else functools.partial(type(self.module).forward, self.module)

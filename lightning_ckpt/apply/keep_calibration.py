@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,6 +40,7 @@ from lightning_ckpt.planning.op_options import block_options, option_items
 from lightning_ckpt.planning.timing_fit import BlockTiming, fit_keep_ops_op_s, fit_op_call_s, with_block_timings
 from lightning_ckpt.profiling.batch import batch_size_of
 from lightning_ckpt.profiling.measured_cache import kept, machine_key
+from lightning_ckpt.profiling.rates import check_rates_dict
 from lightning_ckpt.profiling.state import preserved_state
 
 __all__ = [
@@ -148,6 +150,43 @@ def _timing(data: dict[str, Any]) -> BlockTiming:
     return BlockTiming(**{**data, "part_keys": tuple((str(op), int(i)) for op, i in data["part_keys"])})
 
 
+_TIMING_FIELDS = {f.name for f in dataclasses.fields(BlockTiming)}
+
+
+def _finite(name: str, value: Any, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name}={value!r} is not a finite number{' or null' if optional else ''}")
+
+
+def _check_calibration(data: Any) -> None:
+    """Raise `ValueError`/`TypeError` unless `data` is a calibration as `calibrated_profile` keeps
+    it: block indices to `BlockTiming` fields (exactly those, finite numbers, no bools), and rates
+    as `profiling.rates.check_rates_dict` accepts them, or null."""
+    if not isinstance(data, dict) or set(data) != {"timings", "rates"}:
+        raise ValueError(f"a calibration is an object of 'timings' and 'rates', not {data!r:.80}")
+    if not isinstance(data["timings"], dict):
+        raise TypeError(f"timings are a {type(data['timings']).__name__}, not an object")
+    for index, t in data["timings"].items():
+        if not index.isdigit():
+            raise ValueError(f"block index {index!r} is not a number")
+        if not isinstance(t, dict) or set(t) != _TIMING_FIELDS:
+            raise ValueError(f"the timing of block {index} is not an object of exactly {sorted(_TIMING_FIELDS)}")
+        for name in ("all_ms", "draws_ms", "recompute_ms", "part_ms"):
+            _finite(name, t[name], optional=True)
+        _finite("noise_ms", t["noise_ms"])
+        if t["noise_ms"] < 0 or isinstance(t["rounds"], bool) or not isinstance(t["rounds"], int) or t["rounds"] < 0:
+            raise ValueError(f"block {index}: noise_ms={t['noise_ms']!r} or rounds={t['rounds']!r} is not a count >= 0")
+        keys = t["part_keys"]
+        if not isinstance(keys, list) or not all(
+            isinstance(k, list) and len(k) == 2 and isinstance(k[0], str) and type(k[1]) is int for k in keys
+        ):
+            raise ValueError(f"block {index}: part_keys={keys!r:.80} are not [op name, call index] pairs")
+    if data["rates"] is not None:
+        check_rates_dict(data["rates"])
+
+
 def calibrated_profile(
     profile: Profile,
     model: nn.Module,
@@ -196,7 +235,7 @@ def calibrated_profile(
         }
 
     key = _calibration_key(cost, model, blocks, base, min_rounds, max_rounds)
-    found = kept("keep_calibration", key, measure) if key is not None else measure()
+    found = kept("keep_calibration", key, measure, check=_check_calibration) if key is not None else measure()
     timings = {int(i): _timing(t) for i, t in found["timings"].items()}
     if not timings:
         return profile

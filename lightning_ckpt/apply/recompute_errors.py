@@ -85,6 +85,12 @@ def explain_checkpoint_error(err: BaseException, model: nn.Module | None = None)
             "first call, Python's `random`), or tensors it stored on a module; fix: make the block depend only on its "
             "inputs, parameters and torch's RNG, or keep that block (forward_hazards(model, run) lists such state)"
         )
+        causes.append(
+            "a global module hook (torch.nn.modules.module.register_module_forward_pre_hook) that makes tensors or "
+            "changes the arguments: it runs before a checkpointed segment opens in the forward but inside it in the "
+            "recompute (a hook on the block module itself runs inside the segment both times); fix: register it on "
+            "the modules with module.register_forward_pre_hook"
+        )
     lines = [what + "."] + [f"Likely cause {i}: {c}." for i, c in enumerate(causes, 1)]
     new = RecomputeMismatchError("\n".join(lines))
     new.__cause__ = err

@@ -2,10 +2,14 @@
 
 Each segment of consecutive blocks becomes one checkpointed region, opened by a
 forward pre-hook on its first block and closed by a forward hook on its last (the
-pattern of torch's composable `checkpoint`). No module is wrapped or replaced, so
+pattern of torch's composable `checkpoint`). The region's hooks stay outermost
+(`hook_order`): it opens before every other pre-hook of its first block and closes after
+every other forward hook of its last, so each hook of a user or a strategy runs once in
+the forward and once in the recompute, on the same arguments. No module is wrapped or replaced, so
 the module tree and every `state_dict` key stay as they were. RNG and autocast
-state are restored for the recompute by torch; BatchNorm running statistics are
-restored by a recompute-only context so a recompute never updates them. A block that
+state are restored for the recompute by torch; the module state a segment's forward writes
+(BatchNorm statistics, spectral norm's vectors, QAT observers) by `state_guard`: a recompute runs
+on the state the forward saw and leaves the state the forward left. A block that
 is its own segment may keep some op calls from the forward instead of recomputing
 them (`keep_ops`, built in `apply_selective`). Segments may nest (`inner_segments`): the
 outer one saves only its input, and in its recompute each inner segment is again a checkpointed
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -23,47 +28,16 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import _checkpoint_without_reentrant_generator
 
+from lightning_ckpt.apply.hook_order import put_first, put_last, stands_behind
 from lightning_ckpt.apply.selective import SelectiveKeep, validate_keep_ops
+from lightning_ckpt.apply.state_guard import Stacked, StateGuard, StateRestore
 from lightning_ckpt.planning.nested_model import validate_nested
 from lightning_ckpt.profiling.applied_marks import mark, refuse_marked
 from lightning_ckpt.profiling.chain_check import receives_output, tensor_version
 
-__all__ = ["AppliedPlan", "apply_plan", "apply_segments", "BatchNormGuard"]
+__all__ = ["AppliedPlan", "apply_plan", "apply_segments"]
 
 Span = tuple[int, int]
-
-
-class BatchNormGuard:
-    """Recompute-only context: BatchNorm buffers are put back exactly as they were.
-
-    A recompute reruns the forward in training mode, which would update
-    `running_mean`, `running_var` and `num_batches_tracked` a second time (and, with
-    `momentum=None`, the cumulative average). The guard snapshots them on entry and
-    copies them back on exit, so the rerun computes the same outputs and leaves no trace.
-    """
-
-    def __init__(self, modules: Sequence[nn.Module]) -> None:
-        self.norms = [
-            m
-            for blk in modules
-            for m in blk.modules()
-            if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
-        ]
-        self._saved: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
-
-    def __enter__(self) -> "BatchNormGuard":
-        snap = []
-        for m in self.norms:
-            for buf in (m.running_mean, m.running_var, m.num_batches_tracked):
-                if buf is not None:
-                    snap.append((buf, buf.detach().clone()))
-        self._saved.append(snap)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        with torch.no_grad():
-            for buf, copy in self._saved.pop():
-                buf.copy_(copy)
 
 
 def _first_tensor(out: Any) -> Any:
@@ -99,6 +73,8 @@ class _Segment:
         self.first_index = first_index
         self.span = (first_index, first_index + len(self.blocks) - 1)
         self.guard_batchnorm = guard_batchnorm
+        # the module state the segment's forward writes, found at its first forward (`state_guard`)
+        self.state_guard = StateGuard(self.blocks) if guard_batchnorm else None
         self.determinism_check = determinism_check
         self.running = [] if running is None else running
         self.ancestors = frozenset(ancestors)
@@ -112,19 +88,24 @@ class _Segment:
     def enabled(self) -> bool:
         return not self.running or self.running[-1] in self.ancestors
 
-    # -- contexts of the forward and the recompute (the recompute's: own hooks off, BatchNorm guarded;
+    # -- contexts of the forward and the recompute (the recompute's: own hooks off, the forward's state;
     # a selective block adds torch's selective checkpoint modes and the replay of kept draws)
     def _context_fn(self):
-        guard = BatchNormGuard(self.blocks) if self.guard_batchnorm else None
-        recompute = _RecomputeContext(self, guard)
+        if self.state_guard is not None:
+            forward, restore = self.state_guard.contexts()
+        else:
+            forward, restore = contextlib.nullcontext(), None
+        recompute = _RecomputeContext(self, restore)
         if self.selective is None:
-            return contextlib.nullcontext(), recompute
-        return self.selective.contexts(recompute)
+            return forward, recompute
+        keep_forward, keep_recompute = self.selective.contexts(recompute)
+        return Stacked(forward, keep_forward), keep_recompute
 
     # -- the function the recompute reruns: the whole segment from its input, with the
-    # extra arguments each later block received in that same forward (`calls`). Each block
-    # is called as a module, so other libraries' hooks fire again as in the forward (under
-    # ZeRO-3, DeepSpeed gathers the block's parameters and re-wraps its input and output).
+    # extra arguments each later block received in that same forward (`calls`), all as the
+    # caller passed them. Each block is called as a module, so every other hook on it runs
+    # once, as in the forward (a user's pre-hook transforms the input once; under ZeRO-3,
+    # DeepSpeed gathers the block's parameters and re-wraps its input and output).
     def recompute(self, calls: list, *args: Any, **kwargs: Any) -> Any:
         out = self.blocks[0](*args, **kwargs)
         for k, blk in enumerate(self.blocks[1:], start=1):
@@ -134,6 +115,9 @@ class _Segment:
 
     # -- hooks
     def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        late = self._behind_other_pre_hook(module)
+        # forward hooks registered after the plan's move behind the ones closing regions, before they run
+        put_last(module._forward_hooks, _own_hooks(module._forward_hooks, "post_hook"))
         if not self.enabled:
             return
         k = self._position(module)
@@ -146,6 +130,16 @@ class _Segment:
                     "called in order, once each per forward. Plan with one block per segment for this model."
                 )
             if not torch.is_grad_enabled():
+                return
+            if late:
+                warnings.warn(
+                    f"a forward pre-hook registered on block {self.first_index} with prepend=True after the "
+                    "checkpointing plan was applied ran before the hook that opens its checkpointed segment, so its "
+                    "effect would be applied twice in the recompute; this call runs without checkpointing that "
+                    "segment and the segment's hook is moved in front for the next calls. Register such hooks "
+                    "before applying the plan to avoid this.",
+                    stacklevel=2,
+                )
                 return
             self._calls = [((), {})] * len(self.blocks)
             self._last_out = None
@@ -163,20 +157,27 @@ class _Segment:
             return
         if self._gen is None:
             return
-        # the previous block's output itself, or an alias of it that identity autograd Functions
-        # put in between (DeepSpeed ZeRO-3 wraps every module's inputs and outputs): `receives_output`
+        # the previous block's output as the caller received it, or an alias of it that identity autograd
+        # Functions put in between (DeepSpeed ZeRO-3 wraps every module's inputs and outputs): `receives_output`
         if not args or not receives_output(args[0], self._last_out, self._last_version):
             self._abandon()
+            hint = (
+                " A forward pre-hook registered on it with prepend=True after the plan was applied ran first "
+                "and may have changed it; register such hooks before applying the plan."
+                if late else ""
+            )
             raise RuntimeError(
                 f"block {self.first_index + k} of a checkpointed segment did not receive the previous block's "
                 "output as its first argument (the same tensor or an unmodified alias of it: same storage, "
                 "offset, shape, strides, dtype and requires_grad, not written in place), so the segment cannot be "
                 "rebuilt from its input. Give such blocks a segment each (policy='full') or pass the chain's "
-                "blocks in call order."
+                f"blocks in call order.{hint}"
             )
         self._calls[k] = (tuple(args[1:]), dict(kwargs))
 
     def post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        # pre-hooks registered in front of the plan's after it was applied go behind them from the next call
+        put_first(module._forward_pre_hooks, _own_hooks(module._forward_pre_hooks, "pre_hook"))
         if not self.enabled or self._gen is None:
             return
         k = self._position(module)
@@ -194,6 +195,12 @@ class _Segment:
             self._last_out = _first_tensor(output)
             self._last_version = tensor_version(self._last_out)
 
+    def _behind_other_pre_hook(self, module: nn.Module) -> bool:
+        """Whether a pre-hook other than the plan's ran before this segment's on this call."""
+        hooks = module._forward_pre_hooks
+        mine = next((hid for hid, h in hooks.items() if getattr(h, "__self__", None) is self), None)
+        return mine is not None and stands_behind(hooks, mine, _own_hooks(hooks, "pre_hook"))
+
     def _abandon(self) -> None:
         gen, self._gen = self._gen, None
         self._last_out = None
@@ -208,9 +215,14 @@ class _Segment:
         raise AssertionError("hook called for a module outside its segment")
 
     def attach(self) -> None:
-        for k, blk in enumerate(self.blocks):
-            self._handles.append(blk.register_forward_pre_hook(self.pre_hook, with_kwargs=True))
-            self._handles.append(blk.register_forward_hook(self.post_hook, prepend=True, always_call=True))
+        # the pre-hook in front of every other (the caller's arguments), the forward hook after every
+        # other (the output the caller receives); among the plan's own, an enclosing segment opens first
+        # and closes last
+        for blk in self.blocks:
+            self._handles.append(blk.register_forward_pre_hook(self.pre_hook, prepend=True, with_kwargs=True))
+            self._handles.append(blk.register_forward_hook(self.post_hook, always_call=True))
+            put_first(blk._forward_pre_hooks, _own_hooks(blk._forward_pre_hooks, "pre_hook"))
+            put_last(blk._forward_hooks, _own_hooks(blk._forward_hooks, "post_hook"))
 
     def detach(self) -> None:
         self._abandon()
@@ -227,11 +239,24 @@ class _Segment:
         return state
 
 
-class _RecomputeContext:
-    """Entered around each recompute: BatchNorm guarded, the segment's span pushed on the plan's
-    running stack (its own hooks and its ancestors' go quiet; the segments inside it open again)."""
+def _own_hooks(hooks: Mapping[int, Any], name: str) -> dict[int, tuple[int, int]]:
+    """The segments' hooks called `name` among `hooks`, by id, ranked so that an enclosing segment's
+    pre-hook runs before its inner segments' and its forward hook after theirs."""
+    ranks = {}
+    for hid, hook in hooks.items():
+        seg = getattr(hook, "__self__", None)
+        if isinstance(seg, _Segment) and getattr(hook, "__name__", "") == name:
+            first, last = seg.span
+            ranks[hid] = (first, -last) if name == "pre_hook" else (-first, last)
+    return ranks
 
-    def __init__(self, segment: _Segment, guard: BatchNormGuard | None) -> None:
+
+class _RecomputeContext:
+    """Entered around each recompute: the state the forward saw put in place (`StateRestore`, or
+    any context: torch enters it as given), the segment's span pushed on the plan's running stack
+    (its own hooks and its ancestors' go quiet; the segments inside it open again)."""
+
+    def __init__(self, segment: _Segment, guard: StateRestore | Any | None) -> None:
         self.segment = segment
         self.guard = guard
 
@@ -312,7 +337,7 @@ def apply_segments(
     `inner_segments` nest inside `segments` (see `validate_nested`): an outer segment's
     forward saves its input only; its recompute saves the activations of its blocks outside
     its inner segments and only the input of each inner segment, which is recomputed in turn
-    when the backward reaches it. Every level replays dropout and guards BatchNorm.
+    when the backward reaches it. Every level replays dropout and guards the state its forward writes.
     """
     from lightning_ckpt.planning.memory_model import validate_segments
 
@@ -322,8 +347,8 @@ def apply_segments(
     keeps = validate_keep_ops(keep_ops, spans, len(blocks), inner)
     running: list[Span] = []
     objs = []
-    # parents before children: on a shared first block the parent's pre-hook runs first (hooks run
-    # in registration order) and on a shared last block the child's post-hook (prepended) runs first
+    # on a shared first block the parent's pre-hook runs first and on a shared last block the child's
+    # post-hook runs first, whatever the order of registration (`_own_hooks` ranks them)
     everything = sorted(spans + inner, key=lambda s: (s[0], -s[1]))
     for a, b in everything:
         selective = SelectiveKeep(a, keeps[a]) if keeps.get(a) and a == b else None

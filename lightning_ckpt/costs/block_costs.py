@@ -124,6 +124,14 @@ class BlockCost:
         `StepCost.outside_grad_bytes`) whose last use in the forward is in the gap before this
         block or in this block (block 0: anywhere before it): the backward makes them after this
         block's, so no earlier backward holds them. Batch-independent, like `grad_bytes`.
+    unreplayable: Python state the block's forward writes that a recompute cannot replay (an
+        attribute that decides a branch, a list it appends to, draws of `random` or NumPy), one
+        reason per write ("blocks.1.calls: 0 -> 1"). Planning keeps such a block (never in a
+        segment) unless the user allows it (`allow_python_state`).
+    written_state_bytes: module state the block's forward writes (buffers and tensor attributes
+        written in place, resized or rebound: BatchNorm statistics, spectral norm's vectors, QAT
+        observers), as large as after the forward. A checkpointed block's copy of it lives from
+        its forward to its recompute (`apply.state_guard`). Batch-independent, like `grad_bytes`.
     """
 
     name: str
@@ -155,8 +163,12 @@ class BlockCost:
     gap_fwd_bytes: int = 0
     input_unsaved_bytes: int = 0
     gap_grad_bytes: int = 0
+    unreplayable: tuple[str, ...] = ()
+    written_state_bytes: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.unreplayable, tuple):  # a list once it went through JSON
+            object.__setattr__(self, "unreplayable", tuple(self.unreplayable))
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name in _SIGNED:

@@ -7,6 +7,7 @@ resolved in `setup`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,6 +23,26 @@ def positive_int(value: Any, name: str, hint: str) -> int:
     """`value` when it is a positive int (not a bool), else ValueError naming `name`."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive integer; {hint}")
+    return value
+
+
+def check_flags(optional: tuple[str, ...] = (), **flags: Any) -> None:
+    """Each of `flags` is True or False (None too when its name is in `optional`), else ValueError:
+    a string such as 'false' from a config would otherwise count as True."""
+    for name, value in flags.items():
+        if isinstance(value, bool) or value is None and name in optional:
+            continue
+        allowed = "True, False or None" if name in optional else "True or False"
+        raise ValueError(
+            f"{name}={value!r} has type {type(value).__name__}, not bool; give {allowed} (a string such as "
+            "'false' would read as true)."
+        )
+
+
+def check_name(value: Any, name: str, hint: str) -> str:
+    """`value` when it is a non-empty string, else ValueError naming `name`."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{name}={value!r} must be a non-empty string; {hint}")
     return value
 
 
@@ -68,6 +89,19 @@ def check_policy(policy: Any, every_k: Any, cost_metric: Any, granularity: Any =
     )
 
 
+def check_allow_python_state(value: Any) -> bool | tuple[str, ...]:
+    """`allow_python_state` as the engine keeps it: True, False or a tuple of block names."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) and v.strip() for v in value):
+        return tuple(value)
+    raise ValueError(
+        f"allow_python_state={value!r} must be True, False or a list of block names (e.g. ['layers.3']); it lets "
+        "blocks whose forward writes Python state (a counter, a list, random draws) be checkpointed, which is "
+        "safe only when repeating that write in a recompute is harmless."
+    )
+
+
 def check_blocks(blocks: Any) -> str | list[str] | None:
     """`blocks` as the callback keeps it: a dotted path, a list of paths or patterns, or None."""
     if isinstance(blocks, (list, tuple)):
@@ -82,17 +116,29 @@ def check_blocks(blocks: Any) -> str | list[str] | None:
 
 
 def check_probes(probe_batch_sizes: Any, check_batch_size: Any) -> tuple[int, int]:
-    """The two probe sizes as a tuple; the check size is a positive int or None."""
-    probes = tuple(probe_batch_sizes)
-    if len(probes) != 2 or len(set(probes)) != 2:
+    """The two probe sizes as a tuple, smaller first; the check size is a positive int or None."""
+    example = "e.g. (1, 2), or (2, 4) when a BatchNorm normalises pooled (batch, channels) features"
+    if isinstance(probe_batch_sizes, (str, bytes)) or not isinstance(probe_batch_sizes, Sequence):
         raise ValueError(
-            f"probe_batch_sizes={probe_batch_sizes!r} must be two different positive integers, e.g. (1, 2)."
+            f"probe_batch_sizes={probe_batch_sizes!r} has type {type(probe_batch_sizes).__name__}, not a pair of "
+            f"batch sizes; give two different positive integers, {example}."
+        )
+    probes = tuple(probe_batch_sizes)
+    if len(probes) != 2:
+        raise ValueError(
+            f"probe_batch_sizes={probe_batch_sizes!r} has {len(probes)} sizes; give exactly two different positive "
+            f"integers (bytes are fitted as a line through them), {example}."
         )
     for p in probes:
-        positive_int(p, "probe_batch_sizes", "probes are small slices of a real batch.")
+        positive_int(p, "probe_batch_sizes", f"probes are small slices of a real batch: give two, {example}.")
+    if probes[0] == probes[1]:
+        raise ValueError(
+            f"probe_batch_sizes={probe_batch_sizes!r} gives the same size twice; give two different positive "
+            f"integers (a line needs two batch sizes), {example}."
+        )
     if check_batch_size is not None:
         positive_int(check_batch_size, "check_batch_size", "or None to skip the check of the fitted line.")
-    return probes  # type: ignore[return-value]
+    return (min(probes), max(probes))
 
 
 def resolve_budget(memory_budget: int | None, device: torch.device) -> int:

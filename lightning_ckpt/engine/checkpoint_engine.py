@@ -31,7 +31,7 @@ from lightning_ckpt.costs.block_costs import StepCost
 from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.planning.plan import Plan
-from lightning_ckpt.planning.policies import InfeasibleBudgetError
+from lightning_ckpt.planning.policies import InfeasibleBudgetError, python_state_note
 from lightning_ckpt.profiling.applied_marks import refuse_marked
 from lightning_ckpt.profiling.shapes import BatchShape, shape_of
 from lightning_ckpt.profiling.static_memory import StaticMemory
@@ -54,6 +54,8 @@ class EngineSettings:
     guard_batchnorm: bool = True
     batch_multiple: int = 1
     keep_hf_checkpointing: bool = False  # leave a model's own (HF) activation checkpointing in charge
+    # let blocks whose forward writes Python state be checkpointed: True (all) or their names
+    allow_python_state: bool | tuple[str, ...] = False
 
     def request(self) -> PlanRequest:
         return PlanRequest(
@@ -90,6 +92,30 @@ class StepDriver(Protocol):
     def warn(self, message: str) -> None: ...
 
 
+def allowed_python_state(profile: Profile, allow: bool | Sequence[str], names: Sequence[str]) -> Profile:
+    """`profile` with the Python state writes of the blocks in `allow` (True: every block) forgotten
+    (`BlockCost.unreplayable`), so that planning may checkpoint them: the user says the writes are
+    harmless when a recompute repeats them."""
+    if allow is False or not allow:
+        return profile
+    unknown = [] if allow is True else sorted(set(allow) - set(names))
+    if unknown:
+        raise ValueError(
+            f"allow_python_state names {unknown}, which are not blocks of this model; the blocks are "
+            f"{list(names)}. Give block names from that list, or True for every block."
+        )
+    allowed = set(names) if allow is True else set(allow)
+
+    def forget(cost: StepCost) -> StepCost:
+        blocks = tuple(dataclasses.replace(b, unreplayable=()) if b.name in allowed else b for b in cost.blocks)
+        return dataclasses.replace(cost, blocks=blocks)
+
+    return dataclasses.replace(
+        profile, probes=tuple(forget(p) for p in profile.probes),
+        check=None if profile.check is None else forget(profile.check),
+    )
+
+
 def block_signature(names: Sequence[str], blocks: Sequence[torch.nn.Module]) -> list[list[Any]]:
     """[name, parameter shapes] of every block: what a plan's segments refer to."""
     return [[name, [list(p.shape) for p in blk.parameters()]] for name, blk in zip(names, blocks)]
@@ -109,7 +135,8 @@ class CheckpointEngine:
         self.signature: list | None = None
         self.resume_with: Callable[[], Any] | None = None  # once, before the first plan: a resumed plan or None
         self._shapes: ShapePlans | None = None
-        self._prepared: Prepared | None = None  # what `model_compat.prepare_model` changed for this fit
+        self._prepared: Prepared | None = None  # what `engine.model_prep.prepare_model` changed for this fit
+        self._told: set[str] = set()  # the model's hazards already said (each once per engine)
         self._applied: AppliedPlan | None = None
         self._static: StaticMemory | None = None
         self._costs: dict[BatchShape, StepCost] = {}
@@ -128,7 +155,7 @@ class CheckpointEngine:
         """Plan these blocks from now on: what was profiled is kept while the blocks are the same;
         plans are made again (the budget, the optimizer or the settings may have changed). With `model`
         (the module the blocks belong to), what makes its recompute differ from its forward is turned
-        off until `close` (`model_compat.prepare_model`: HF's `use_cache`, HF's own checkpointing)."""
+        off until `close` (`engine.model_prep.prepare_model`: HF's `use_cache`, HF's own checkpointing)."""
         self.close()
         signature = block_signature(names, blocks)
         if self._shapes is None or signature != self.signature:  # other blocks: what was profiled is void
@@ -142,6 +169,10 @@ class CheckpointEngine:
             self._prepared = prepare_model(
                 model, keep_hf_checkpointing=self.settings.keep_hf_checkpointing, warn=self.driver.warn
             )
+            for hazard in self._prepared.hazards:  # what it can only report, said once
+                if hazard not in self._told:
+                    self._told.add(hazard)
+                    self.driver.warn(f"lightning-ckpt: {hazard}.")
 
     def close(self) -> None:
         """Remove the applied plan and put back what `bind` changed on the model."""
@@ -318,6 +349,7 @@ class CheckpointEngine:
             calibrate_keeps=own and self._rates is None and s.granularity == "op" and s.cost_metric == "time",
             time_blocks=s.cost_metric == "ms",  # only that metric reads the blocks' measured forward times
         )
+        profile = allowed_python_state(profile, s.allow_python_state, self.block_names)
         self.profiled_steps += own
         if self._rates is None:
             self._rates = profile.probes[0].rates
@@ -338,7 +370,12 @@ class CheckpointEngine:
         costs = CostSource(cost_of, grads_accumulate=self.driver.grads_accumulate)
         if self._find_max:
             multiple = self.settings.batch_multiple
-            plan, cost = plan_for_max(costs, self._static, request, multiple)
+            try:
+                plan, cost = plan_for_max(costs, self._static, request, multiple)
+            except InfeasibleBudgetError as err:
+                if "allow_python_state" in str(err) or not python_state_note(self.profile.probes[0]):
+                    raise
+                raise InfeasibleBudgetError(f"{err}{python_state_note(self.profile.probes[0])}") from None
             self.driver.info(
                 f"lightning-ckpt: target_batch_size='max' -> {plan.batch_size} (a multiple of {multiple}) "
                 f"at the shape of the profiled batch ({shape.describe()}); batches of other shapes are planned "
@@ -348,7 +385,8 @@ class CheckpointEngine:
             try:
                 plan, cost = plan_for_target(costs, self._static, request, shape.batch_size)
             except InfeasibleBudgetError as err:
-                raise InfeasibleBudgetError(f"the training batch of shape ({shape.describe()}): {err}") from None
+                note = "" if "allow_python_state" in str(err) else python_state_note(self.profile.probes[0])
+                raise InfeasibleBudgetError(f"the training batch of shape ({shape.describe()}): {err}{note}") from None
         self._costs[shape] = cost
         self._cost = cost
         return plan

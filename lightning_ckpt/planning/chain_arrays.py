@@ -35,7 +35,8 @@ _NS_PER_MS = 1e6
 class ChainArrays(ElementArrays):
     """The element form's columns plus what the DP adds: chaining and recompute."""
 
-    next_break: np.ndarray  # first block k > p that does not chain from k - 1 (n if none)
+    # first block k > p that does not chain from k - 1, is a must-keep block or follows one (n if none)
+    next_break: np.ndarray
     rc: np.ndarray  # block recompute
     tails: np.ndarray  # skipped tail when the block ends a segment
     P: np.ndarray  # prefix sums of block recompute (n + 1)
@@ -47,6 +48,7 @@ class ChainArrays(ElementArrays):
     opt_keys: list = field(default_factory=list)
     one_fwd: np.ndarray | None = None  # forward and backward of each one-block segment
     one_bwd: np.ndarray | None = None
+    must_keep: np.ndarray | None = None  # blocks no segment may hold (`BlockCost.unreplayable`); None: none
 
 
 def chain_arrays(cost: StepCost, metric: str, granularity: str = "block", max_options: int | None = None) -> ChainArrays:
@@ -73,14 +75,18 @@ def chain_arrays(cost: StepCost, metric: str, granularity: str = "block", max_op
     K[1:] = P[1:] - np.array(tails, dtype=cdt) + seg
     next_break = np.full(n, n, dtype=np.int64)
     nb = n
+    held = np.array([bool(b.unreplayable) for b in blocks], dtype=bool)
     for k in range(n - 1, -1, -1):
         next_break[k] = nb
-        if not blocks[k].chains_from_previous:
+        # [constraint] a block that must stay kept ends every segment before it (and after it)
+        if not blocks[k].chains_from_previous or held[k]:
             nb = k
+        if k + 1 < n and held[k]:
+            next_break[k] = min(int(next_break[k]), k + 1)
     mem = element_arrays(cost)
     out = ChainArrays(
         **vars(mem), next_break=next_break, rc=np.array(rc, dtype=cdt), tails=np.array(tails, dtype=cdt), P=P, K=K,
-        cost_scale=scale,
+        cost_scale=scale, must_keep=held if held.any() else None,
     )
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity={granularity!r} is not known; choose one of {', '.join(GRANULARITIES)}.")

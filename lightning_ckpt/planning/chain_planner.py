@@ -252,6 +252,8 @@ def _solve(
     # (less what a kept predecessor may already hold of the boundary)
     reach = np.minimum(forever, np.searchsorted(a.W, room - a.x + a.xs + a.o[:-1] + a.W[:-1], side="right") - 2)
     widths = np.maximum(reach - p_all + 1, 0)
+    if a.must_keep is not None:  # [constraint] no segment starts at a block that must stay kept
+        widths[a.must_keep] = 0
     need_rows = None
     need_p0 = n
 
@@ -335,7 +337,7 @@ def _solve(
             seg_c.append(pool_c[start:] - a.P[p])
             seg_b.append(ob | SEG)
             seg_o.append(np.zeros(ob.shape[0], dtype=i64))
-        if a.opt_k and a.opt_k[p].shape[0] and m:
+        if a.opt_k and a.opt_k[p].shape[0] and m and (a.must_keep is None or not a.must_keep[p]):
             # op-level options: block p checkpointed alone, keeping k bytes of op outputs
             # (`memory_model.selective_element`), continued by every state of F_{p+1}
             k = a.opt_k[p][:, None]

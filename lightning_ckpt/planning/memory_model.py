@@ -32,6 +32,7 @@ from lightning_ckpt.planning.peak_terms import (
     kept_forward_bytes,
     segment_activations_bytes,
     segment_block_forward_bytes,
+    state_snapshot_bytes,
 )
 
 Segments = Sequence[tuple[int, int]]
@@ -75,9 +76,10 @@ def segment_of(n_blocks: int, segments: Segments) -> list[int]:
 
 
 def base_bytes(cost: StepCost) -> int:
-    """Resident under every element: parameters, buffers, optimizer state, the batch and
-    the activations saved before the first block."""
-    return cost.static_bytes + cost.batch_bytes + cost.pre_saved_bytes
+    """Resident under every element: parameters, buffers, optimizer state, the batch, the
+    activations saved before the first block and the copies of written module state
+    (`state_snapshot_bytes`)."""
+    return cost.static_bytes + cost.batch_bytes + cost.pre_saved_bytes + state_snapshot_bytes(cost.blocks)
 
 
 def forward_grad_bytes(cost: StepCost) -> int:
@@ -153,7 +155,11 @@ def peak_floor_bytes(cost: StepCost) -> int:
     (`kept_backward_bytes`), on the base bytes."""
     after = gradients_after(cost)
     blocks = [base_bytes(cost) + kept_backward_bytes(b, after[i]) for i, b in enumerate(cost.blocks)]
-    return max([optimizer_need(cost), end_need(cost), *blocks])
+    # the head on a kept last block finds the output it saved resident (`end_relief`); what the
+    # block leaves resident holds all it saved, so at most the part of the relief beyond that is off
+    last = cost.blocks[-1] if cost.n_blocks else None
+    relief = max(0, last.output_saved_bytes - last.saved_bytes) if last is not None else 0
+    return max([optimizer_need(cost), end_need(cost) - relief, *blocks])
 
 
 # ----------------------------------------------------------------------------- elements

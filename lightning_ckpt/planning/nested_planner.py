@@ -92,10 +92,14 @@ class _Tables:
         self.up = up
         self.next_break = np.full(n, n, dtype=np.int64)  # first block k > p that does not chain from k - 1
         nb = n
+        self.held = np.array([bool(b.unreplayable) for b in blocks], dtype=bool)  # must stay kept
         for k in range(n - 1, -1, -1):
             self.next_break[k] = nb
-            if not blocks[k].chains_from_previous:
+            # [constraint] a block that must stay kept ends every segment before it (and after it)
+            if not blocks[k].chains_from_previous or self.held[k]:
                 nb = k
+            if k + 1 < n and self.held[k]:
+                self.next_break[k] = min(int(self.next_break[k]), k + 1)
         self.rc = np.array([block_recompute(b, metric, rates) for b in blocks], dtype=np.float64)
         self.tail = np.array([skipped_tail(b, metric, rates) for b in blocks], dtype=np.float64)
         self.ovh = float(segment_overhead(metric, rates))
@@ -212,6 +216,8 @@ class _Tables:
     def build(self, max_depth: int) -> None:
         n = self.n
         self.S[1] = np.stack([self.plain_rows(a, np.arange(n)) for a in range(n)])
+        if self.held.any():  # [constraint] no segment starts at a block that must stay kept
+            self.S[1][self.held] = INF
         for d in range(2, max_depth + 1):
             S = self.S[1].copy()
             C = np.full(S.shape, -2, dtype=np.int32)

@@ -56,6 +56,18 @@ class BlockColumns:
         return replace(self, **{f.name: fn(getattr(self, f.name)) for f in fields(self)})
 
 
+# ----------------------------------------------------------------------------- state copies
+
+
+def state_snapshot_bytes(blocks: Sequence[BlockCost]) -> int:
+    """[constraint] A checkpointed block's copy of the module state its forward writes
+    (`BlockCost.written_state_bytes`: BatchNorm statistics, spectral norm's vectors, QAT observers)
+    lives from its forward to its recompute (`apply.state_guard`). Counted for every block, whatever
+    the plan checkpoints: an upper bound by the copies of kept blocks, which keeps what a segment
+    leaves resident independent of where it ends; 0 for a chain that writes no state."""
+    return sum(b.written_state_bytes for b in blocks)
+
+
 # ----------------------------------------------------------------------------- forward
 
 

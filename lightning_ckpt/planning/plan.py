@@ -74,6 +74,7 @@ class BlockRow:
     keeps: str = ""  # what is kept and recomputed, for people (`op_options.describe_keeps`)
     level: int = 0  # segments around the block: 0 kept, 1 checkpointed, 2 also in an inner segment, ...
     recomputes: int = 0  # times its forward runs again in the backward (more than 1 in nested plans)
+    kept_because: str = ""  # why planning may not checkpoint it (Python state its forward writes)
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,8 @@ class Plan:
                 line += f" {times * (r.fwd_est_ms or 0.0) - r.kept_est_ms if r.checkpointed else 0.0:>8.2f}"
             if r.keeps:
                 line += f"  {r.keeps} (+{format_bytes(r.kept_bytes)})"
+            if r.kept_because and not r.checkpointed:
+                line += f"  kept: {r.kept_because}"
             lines.append(line)
         lines.append("-" * len(head))
         if self.inner_segments:

@@ -35,6 +35,9 @@ from lightning_ckpt.units import format_bytes
 from lightning_ckpt.planning.segment_shapes import (
     chainable,
     every_k_segments,
+    kept_blocks_in,
+    kept_phrase,
+    must_keep,
     runs_to_segments,
     split_unchainable,
     sqrt_segments,
@@ -72,7 +75,7 @@ def greedy_segments(cost: StepCost, budget_bytes: int, metric: str = "flops") ->
             return freed / c
         return math.inf if freed > 0 else -math.inf
 
-    order = sorted(range(n), key=lambda i: (-ratio(i), i))
+    order = sorted(set(range(n)) - set(must_keep(cost)), key=lambda i: (-ratio(i), i))
     chosen: list[int] = []
     if predict_peak(cost, []).peak_bytes <= budget_bytes:
         return []
@@ -146,11 +149,24 @@ def _infeasible_message(cost: StepCost, budget_bytes: int, policy: str, max_leve
         )
     else:
         levels = " (max_levels=1: raise it to let segments be rebuilt in nested segments, which holds fewer boundaries)"
+    held = python_state_note(cost)
     return (
         f"policy={policy!r} found no plan for batch_size={cost.batch_size} within memory_budget="
         f"{format_bytes(budget_bytes)}: parameters, gradients and optimizer state alone take "
         f"{format_bytes(floor)} and no choice of checkpointed blocks{levels} brings the activations under the rest. "
-        "Lower target_batch_size or raise memory_budget."
+        f"Lower target_batch_size or raise memory_budget.{held}"
+    )
+
+
+def python_state_note(cost: StepCost) -> str:
+    """For a budget that does not fit: the blocks kept because their forward writes Python state
+    (`must_keep`), what they write and what to do; "" when there are none."""
+    kept = must_keep(cost)
+    return "" if not kept else (
+        f" Blocks whose forward writes Python state a recompute cannot replay stay kept, never checkpointed: "
+        f"{kept_phrase(cost, kept)}. If that write is harmless when repeated (a counter nothing reads, a "
+        "list cleared every step), pass allow_python_state=True (or the block names) to let them be checkpointed;"
+        " otherwise move the write out of the block's forward."
     )
 
 
@@ -182,7 +198,7 @@ def optimal_nested(
     if max_levels < 2 or not 0 < cost.n_blocks <= NESTED_MAX_BLOCKS or (plain is not None and not plain.segments):
         return plain, ()
     nested = solve_nested(cost, budget_bytes, metric, max_levels, slots=nested_slots(cost.n_blocks, plain is not None))
-    if nested is None or not nested.inner:
+    if nested is None or not nested.inner or kept_blocks_in(cost, nested.segments):
         return plain, ()
     ours = recompute_cost(cost, nested.segments, metric, None, nested.inner)
     if plain is not None and not ours < recompute_cost(cost, plain.segments, metric, plain.keeps) * (1 - 1e-12):
@@ -273,7 +289,7 @@ def make_plan(
     elif policy == "none":
         segs = []
     elif policy == "full":
-        segs = every_k_segments(n, 1)
+        segs = split_unchainable(cost, every_k_segments(n, 1))
     elif policy == "sqrt":
         segs = split_unchainable(cost, sqrt_segments(n))
     elif policy == "every_k":
@@ -289,6 +305,13 @@ def make_plan(
             raise InfeasibleBudgetError(_infeasible_message(cost, budget_bytes, "optimal", max_levels))
         segs, keeps, gap = found.segments, found.keeps, found.gap
     segs = validate_segments(n, segs)
+    held = kept_blocks_in(cost, segs)
+    if held:
+        raise ValueError(
+            f"the segments put blocks in a segment that must stay kept: {kept_phrase(cost, held)}. A recompute "
+            "would repeat those writes (and may take another branch or leave stale tensors behind); leave these "
+            "blocks out of the segments, or allow the write with allow_python_state when it is harmless."
+        )
     if not chainable(cost, segs):
         raise ValueError(
             "a segment spans a block that does not take the previous block's output as its first argument; "
@@ -348,6 +371,7 @@ def build_plan(
             keeps=describe_keeps(b, kept[i]) if i in kept else "",
             level=levels[i],
             recomputes=runs[i],
+            kept_because="; ".join(b.unreplayable),
         )
         for i, b in enumerate(cost.blocks)
     )

@@ -1,6 +1,7 @@
 """Segments of a fixed shape, whatever the budget: every k blocks (`every_k`), about sqrt(n) blocks
 (`sqrt`), runs of chosen blocks; and segments split where a block does not take the previous
-block's output (a segment must be a chain).
+block's output (a segment must be a chain) or around a block that must stay kept (its forward
+writes Python state a recompute cannot replay).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def chainable(cost: StepCost, segments: Sequence[tuple[int, int]]) -> bool:
     return all(cost.blocks[i].chains_from_previous for a, b in segments for i in range(a + 1, b + 1))
 
 
-def split_unchainable(cost: StepCost, segments: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+def _split_at_breaks(cost: StepCost, segments: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     """Cut segments where a block does not take the previous block's output."""
     out = []
     for a, b in segments:
@@ -54,3 +55,35 @@ def split_unchainable(cost: StepCost, segments: Sequence[tuple[int, int]]) -> li
                 start = i
         out.append((start, b))
     return out
+
+
+def must_keep(cost: StepCost) -> tuple[int, ...]:
+    """Blocks no segment may hold: their forward writes Python state a recompute cannot replay
+    (`BlockCost.unreplayable`)."""
+    return tuple(i for i, b in enumerate(cost.blocks) if b.unreplayable)
+
+
+def split_unchainable(cost: StepCost, segments: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Cut segments where a block does not take the previous block's output, and leave out the
+    blocks that must stay kept (`must_keep`)."""
+    out = []
+    for a, b in _split_at_breaks(cost, segments):
+        start = a
+        for i in range(a, b + 1):
+            if cost.blocks[i].unreplayable:
+                if start < i:
+                    out.append((start, i - 1))
+                start = i + 1
+        if start <= b:
+            out.append((start, b))
+    return out
+
+
+def kept_blocks_in(cost: StepCost, segments: Sequence[tuple[int, int]]) -> list[int]:
+    """The must-keep blocks (`must_keep`) that `segments` put in a segment."""
+    return [i for a, b in segments for i in range(a, b + 1) if cost.blocks[i].unreplayable]
+
+
+def kept_phrase(cost: StepCost, indices: Sequence[int]) -> str:
+    """Each must-keep block with what its forward writes, for messages."""
+    return "; ".join(f"block {i} {cost.blocks[i].name!r} ({', '.join(cost.blocks[i].unreplayable)})" for i in indices)

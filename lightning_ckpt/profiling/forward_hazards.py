@@ -4,6 +4,7 @@ changing it.
     static_hazards(model, configs) -> list[str]      # read off the model: output_* flags, LayerDrop, spectral norm
     forward_hazards(model, run) -> tuple[str, ...]   # run a forward, report the state it changed (then put back)
     live_bytes_per_step(step, n_steps) -> tuple[int, ...]   # live bytes growing step to step
+    PythonStateWatch(n_blocks)                       # per block: Python state its forward writes
 
 `static_hazards` reports `output_attentions` / `output_hidden_states` (every layer's maps or outputs
 stay alive to the loss), LayerDrop (a skipped layer breaks a segment of several blocks) and spectral
@@ -15,6 +16,7 @@ attributes that change, and tensors kept on modules (alive past their block, so 
 from __future__ import annotations
 
 import gc
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -28,13 +30,6 @@ _LAYERDROP = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
 _MODULE_DICTS = ("_parameters", "_buffers", "_modules")
 
 
-def _uses_spectral_norm(module: nn.Module) -> bool:
-    from torch.nn.utils.spectral_norm import SpectralNorm
-
-    if any(isinstance(h, SpectralNorm) for h in module._forward_pre_hooks.values()):
-        return True
-    params = getattr(module, "parametrizations", None)
-    return params is not None and any(type(p).__name__ == "_SpectralNorm" for ps in params.values() for p in ps)
 
 
 def static_hazards(model: nn.Module, configs: list[tuple[str, Any]]) -> list[str]:
@@ -50,11 +45,6 @@ def static_hazards(model: nn.Module, configs: list[tuple[str, Any]]) -> list[str
                 found.append(f"{key}={getattr(cfg, key)} in {configs_phrase([where])}: LayerDrop skips layers at random "
                              "in training, and a segment of several blocks fails when one is skipped; plan one block "
                              "per segment (policy='full') or set it to 0")
-    for path, module in model.named_modules():
-        if _uses_spectral_norm(module):
-            found.append(f"{module_label(path, module)} uses spectral norm: its power iteration updates buffers in every "
-                         "training forward, so a recompute updates them again and computes with other weights "
-                         "(gradients differ from training without checkpointing); keep the block that holds it")
     return found
 
 
@@ -69,10 +59,10 @@ def _holds_tensors(value: Any) -> bool:
     return any(isinstance(v, torch.Tensor) for v in items)
 
 
-def _snapshot(module: nn.Module) -> tuple[dict[str, tuple], dict[str, tuple[int, int, torch.Tensor]]]:
+def _attributes(module: nn.Module, skip: frozenset[str] | tuple[str, ...] = _MODULE_DICTS) -> dict[str, tuple]:
     attrs: dict[str, tuple] = {}
     for key, value in vars(module).items():
-        if key in _MODULE_DICTS:
+        if key in skip:
             continue
         if _plain(value):
             attrs[key] = ("plain", value)
@@ -80,6 +70,11 @@ def _snapshot(module: nn.Module) -> tuple[dict[str, tuple], dict[str, tuple[int,
             attrs[key] = ("tensor", id(value))
         elif isinstance(value, (list, dict)):
             attrs[key] = ("container", len(value))
+    return attrs
+
+
+def _snapshot(module: nn.Module) -> tuple[dict[str, tuple], dict[str, tuple[int, int, torch.Tensor]]]:
+    attrs = _attributes(module)
     buffers = {} if isinstance(module, nn.modules.batchnorm._NormBase) else {
         key: (id(buf), buf._version, buf.detach().clone()) for key, buf in module._buffers.items() if buf is not None
     }
@@ -121,6 +116,72 @@ def forward_hazards(model: nn.Module, run: Callable[[], Any]) -> tuple[str, ...]
                     found.append(f"{where} adds tensors to its attribute {key!r} in its forward: they stay alive past the "
                                  "block (and the step), so checkpointing cannot free them")
     return tuple(found)
+
+
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))  # torch's own (hook tables, `training`): never the user's state
+# What strategies' own module hooks keep on a module: DeepSpeed ZeRO-3 counts a module's pending
+# gradients and backward passes (`ds_grads_remaining`, `applied_pre_backward_ref_cnt`, ...) in the
+# hooks that gather its parameters. Those hooks run again in a recompute by design (DeepSpeed's own
+# activation checkpointing relies on it), so these writes are not the model's state.
+_STRATEGY_PREFIXES = ("ds_", "_ds_", "__ds")
+_STRATEGY_ATTRIBUTES = frozenset({"applied_pre_backward_ref_cnt", "pre_bwd_fn", "post_bwd_fn"})
+
+
+def _model_state(module: nn.Module) -> dict[str, tuple]:
+    """`_attributes` of what the model itself keeps on `module` (not torch's, not a strategy's)."""
+    return {
+        key: value for key, value in _attributes(module, _MODULE_INTERNALS).items()
+        if key not in _STRATEGY_ATTRIBUTES and not key.startswith(_STRATEGY_PREFIXES)
+    }
+
+
+def _global_draws() -> tuple[Any, Any]:
+    """Python's `random` state and NumPy's global state, to compare before and after a forward."""
+    try:
+        import numpy as np
+
+        state = np.random.get_state()
+        np_state = (state[0], state[1].tobytes(), *state[2:])
+    except ImportError:  # pragma: no cover
+        np_state = None
+    return random.getstate(), np_state
+
+
+class PythonStateWatch:
+    """Python state each block's forward writes, which a recompute cannot replay: a number, string or
+    flag attribute that changes (it may decide a branch), a list or dict that grows or shrinks (an MoE
+    layer appending its router loss), draws from Python's `random` or NumPy's global generator.
+
+    `before(i, block)` as block i's forward starts, `after(i)` as it ends (forward hooks);
+    `reasons[i]` then holds one phrase per write, for `BlockCost.unreplayable`."""
+
+    def __init__(self, n_blocks: int) -> None:
+        self.reasons: list[set[str]] = [set() for _ in range(n_blocks)]
+        self._open: dict[int, tuple] = {}
+
+    def before(self, i: int, block: nn.Module) -> None:
+        attrs = [(path, m, _model_state(m)) for path, m in block.named_modules()]
+        self._open[i] = (attrs, _global_draws())
+
+    def after(self, i: int) -> None:
+        if i not in self._open:
+            return
+        attrs, (py_rng, np_rng) = self._open.pop(i)
+        found = self.reasons[i]
+        for path, module, old_attrs in attrs:
+            where = f"self.{path}." if path else "self."
+            now = _model_state(module)
+            for key, (kind, old) in old_attrs.items():
+                new_kind, new = now.get(key, (None, None))
+                if kind == "plain" and new_kind == "plain" and old != new:
+                    found.add(f"writes {where}{key} ({old!r} -> {new!r})")
+                elif kind == "container" and new_kind == "container" and old != new:
+                    found.add(f"{'adds' if new > old else 'removes'} items of {where}{key} ({old} -> {new})")
+        py_now, np_now = _global_draws()
+        if py_now != py_rng:
+            found.add("draws from Python's random")
+        if np_now != np_rng:
+            found.add("draws from numpy.random")
 
 
 def live_bytes_per_step(step: Callable[[int], Any], n_steps: int) -> tuple[int, ...]:

@@ -6,7 +6,9 @@ once is kept in a JSON file per kind under `LIGHTNING_CKPT_CACHE_DIR` (default
 `~/.cache/lightning_ckpt`) and read back by later runs, keyed by everything it depends on:
 torch's version, the device and its name, torch's thread count and the dtypes (for the
 calibration also the blocks' counted work and the batch size). `LIGHTNING_CKPT_CACHE_DIR=off`
-keeps nothing; `LIGHTNING_CKPT_REMEASURE=1` measures again and replaces what was kept.
+keeps nothing; `LIGHTNING_CKPT_REMEASURE=1` measures again and replaces what was kept. Entries
+are checked as they are read (a damaged one is measured again, the file healed); writers take a
+lock beside the file and merge, so runs writing at once lose nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import os
 import platform
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,47 +77,153 @@ def _digest(key: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def _read(path: Path) -> dict[str, Any]:
+def _json_form(value: Any) -> Any:
+    """`value` as it reads back from JSON (tuples as lists, other objects as their `str`)."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def _entry_problem(digest: Any, entry: Any, check: Callable[[Any], None]) -> str | None:
+    """Why `entry` (kept under `digest`) cannot be used, or None when it can: an object of exactly
+    a `key` (whose digest it is kept under) and a `value` that `check` accepts."""
+    if not isinstance(entry, dict) or set(entry) != {"key", "value"}:
+        fields = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
+        return f"entry {digest!r} is {fields!r}, not an object of a 'key' and a 'value'"
+    if not isinstance(entry["key"], dict) or _digest(entry["key"]) != digest:
+        return f"entry {digest!r} is not kept under the digest of its key"
+    try:
+        check(entry["value"])
+    except (TypeError, ValueError, KeyError) as err:
+        return f"entry {digest!r}: {err}"
+    return None
+
+
+def _is_object(value: Any) -> None:
+    if not isinstance(value, dict):
+        raise TypeError(f"its value is a {type(value).__name__}, not an object")
+
+
+def _read(path: Path, check: Callable[[Any], None]) -> tuple[dict[str, Any], list[str]]:
+    """The usable entries of the file at `path` in the order kept, and why each other one was dropped
+    (a file that is not a JSON object drops everything: one reason)."""
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}  # missing, or written by something else: measured again and replaced
-    return data if isinstance(data, dict) else {}
+    except FileNotFoundError:
+        return {}, []
+    except OSError:
+        return {}, []  # unreadable: measured again; writing it back says what is wrong, if anything
+    except ValueError as err:
+        return {}, [f"it is not JSON ({err})"]
+    if not isinstance(data, dict):
+        return {}, [f"it holds a {type(data).__name__}, not an object of entries"]
+    entries: dict[str, Any] = {}
+    problems: list[str] = []
+    for digest, entry in data.items():
+        problem = _entry_problem(digest, entry, check)
+        if problem is None:
+            entries[digest] = entry
+        else:
+            problems.append(problem)
+    return entries, problems
+
+
+def _tell_dropped(path: Path, problems: list[str]) -> None:
+    warnings.warn(
+        f"lightning-ckpt: {len(problems)} damaged entr{'y' if len(problems) == 1 else 'ies'} of the kept timings "
+        f"in {path} dropped ({problems[0]}{'; ...' if len(problems) > 1 else ''}); they are measured again when "
+        "needed and the file is rewritten without them.",
+        stacklevel=3,
+    )
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on a lock file beside `path` (`fcntl.flock`), so that one process or
+    thread at a time reads, merges and writes it. Where there is no `flock` (not POSIX, or a file
+    system without locks) it goes on unlocked: each file is still whole, an entry may be lost."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # pragma: no cover - a file system without locks
+            pass
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 def _write(path: Path, entries: dict[str, Any]) -> None:
+    """`entries` into a temporary file beside `path`, flushed to disk, then renamed over it."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             json.dump(entries, f)
-        os.replace(tmp, path)  # ranks writing at once: each file is whole, the last one stays
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # readers see the old file or the new one, whole
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _merge(path: Path, check: Callable[[Any], None], new: dict[str, Any]) -> None:
+    """Under the lock: read the file again (what another process kept since stays), drop what is
+    damaged, put `new` in as the newest, keep the newest `MAX_ENTRIES`, write it whole."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _locked(path):
+            entries, _ = _read(path, check)
+            for digest, entry in new.items():
+                entries.pop(digest, None)
+                entries[digest] = entry
+            while len(entries) > MAX_ENTRIES:
+                entries.pop(next(iter(entries)))
+            _write(path, entries)
     except OSError as err:  # a read-only home: timings are measured in every run, said once per folder
         if str(path.parent) not in _TOLD:
             _TOLD.add(str(path.parent))
             warnings.warn(
                 f"lightning-ckpt: cannot keep measured timings in {path.parent} ({err}); they are measured again in "
                 f"every run. Set {CACHE_ENV} to a writable folder, or to 'off' to keep nothing.",
-                stacklevel=2,
+                stacklevel=3,
             )
 
 
-def kept(kind: str, key: dict[str, Any], measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+def kept(
+    kind: str, key: dict[str, Any], measure: Callable[[], dict[str, Any]], check: Callable[[Any], None] | None = None
+) -> dict[str, Any]:
     """The timing `measure()` returns (a JSON-able dict) for `key`, from the file of `kind` when
-    one was kept, else measured now and kept."""
+    one was kept, else measured now and kept.
+
+    `check(value)` raises `ValueError` or `TypeError` for a kept value its reader cannot use (by
+    default: one that is not an object). Every entry of the file is checked when it is read; what
+    fails is dropped (one warning names the file), measured again when asked for, and the file
+    is rewritten without it. A measured value that fails `check` is returned but not kept."""
+    check = check or _is_object
     folder = cache_dir()
     if folder is None:
         return measure()
     path = folder / f"{kind}.json"
     digest = _digest(key)
-    entries = _read(path)
+    entries, problems = _read(path, check)
+    if problems:
+        _tell_dropped(path, problems)
     entry = entries.get(digest)
-    if not _remeasure() and isinstance(entry, dict) and entry.get("key") == json.loads(json.dumps(key, default=str)):
+    if not _remeasure() and entry is not None and entry["key"] == _json_form(key):
+        if problems:
+            _merge(path, check, {})
         return entry["value"]
     value = measure()
-    entries.pop(digest, None)
-    entries[digest] = {"key": key, "value": value}
-    while len(entries) > MAX_ENTRIES:
-        entries.pop(next(iter(entries)))
-    _write(path, entries)
+    try:
+        check(_json_form(value))
+    except (TypeError, ValueError, KeyError):
+        if problems:
+            _merge(path, check, {})
+        return value
+    _merge(path, check, {digest: {"key": _json_form(key), "value": _json_form(value)}})
     return value

@@ -4,6 +4,11 @@ Forward pre- and post-hooks on every block mark its window and read its boundary
 saved-tensor hook charges each saved storage to the first block that saves it, gradient hooks
 on block outputs mark the backward windows, and a ledger of storage lives (`lifetimes`) lets
 `account_carried` take what outlives its neighbour edge out of the per-block fields.
+
+The window holds the whole block call, as a checkpointed region does (`apply.hook_order`): the
+pre-hook runs before every other pre-hook of the block (it reads the input as the caller passed it,
+and the other hooks' ops, a user's or a strategy's gather, are the block's) and the post-hook after
+the forward hooks registered before it (the output as the caller receives it).
 """
 
 from __future__ import annotations
@@ -126,8 +131,7 @@ class Probe:
             self.chains[i] = bool(args) and receives_output(args[0], self.prev_output, self.prev_version)
         self.prev_output = None  # held no longer than the step holds it: its life is measured
         self.current = i
-        # FSDP2 (like ZeRO-3) swaps in unsharded parameters just before a block runs: know them by identity
-        self.param_ids.update(id(p) for p in module.parameters())
+        self.parameters_seen(module)
         self.input_key[i] = storage_key(first) if first is not None else None
         self.input_serial[i] = self.ledger.serial(self.input_key[i])
         in_batch = self.input_key[i] in self.batch_keys
@@ -146,6 +150,11 @@ class Probe:
         if self.op_profile is not None:
             self.op_profile.begin()
             self.work.on_op = self.op_profile.record
+
+    def parameters_seen(self, module, *args) -> None:
+        """Know the block's parameters by identity. FSDP2 (like ZeRO-3) swaps in unsharded parameters
+        in a pre-hook of its own, which runs after `pre_hook` (first of all) and before this one (last)."""
+        self.param_ids.update(id(p) for p in module.parameters())
 
     def post_hook(self, module, args, output):
         i = self._index(module)
@@ -265,8 +274,9 @@ class Probe:
                 late[k] += nbytes
         busy = {led.born_in[s] for s in range(len(led.nbytes)) if led.born_forward[s]}
         busy |= {r for regions in led.saved_in for r in regions}
-        # a sharded block's parameters are gathered by the strategy's own pre-forward hook, which runs
-        # before the probe's: that is not a module between the blocks, and such blocks chain as before
+        # a sharded block's parameters are gathered by the strategy's own pre-forward hook, which may run
+        # before the probe's (one put in front after it): that is not a module between the blocks, and such
+        # blocks chain as before
         gapped = [k for k in range(1, n) if gap_region(k) in busy and not _gathers_params(self.blocks[k])]
         for k in gapped:
             self.chains[k] = False

@@ -16,6 +16,7 @@ machine's rates once (`rates`), so that counted work can be turned into time.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ from lightning_ckpt.costs.linear_fit import Profile, refit_without_smallest
 from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.profiling.applied_marks import refuse_marked
 from lightning_ckpt.profiling.batch import batch_size_of, slice_batch, tensors_in
+from lightning_ckpt.profiling.forward_hazards import PythonStateWatch
 from lightning_ckpt.profiling.forward_passes import nosave_forward_peaks as _nosave_forward_peaks
 from lightning_ckpt.profiling.forward_passes import time_blocks as _time_blocks
 from lightning_ckpt.profiling.gather import sharded_world_size
@@ -35,6 +37,7 @@ from lightning_ckpt.profiling.op_profile import OpProfileRecorder
 from lightning_ckpt.profiling.probe_counters import ProbeCounters
 from lightning_ckpt.profiling.probe_hooks import Probe
 from lightning_ckpt.profiling.state import preserved_state
+from lightning_ckpt.profiling.written_state import WrittenStateWatch
 from lightning_ckpt.profiling.tracker import storage_key, unique_storage_bytes
 
 StepFn = Callable[[Any], torch.Tensor]
@@ -68,9 +71,12 @@ def probe_step(
         tracker = flops = work = ProbeCounters(ledger=StorageLedger())  # live bytes, FLOPs and work: one mode
         tracker.ledger.param_last = dict.fromkeys(outside)
         probe = Probe(model, blocks, tracker, flops, names, work, batch_keys, OpProfileRecorder())
-        handles = []
+        handles = _watch_python_state(blocks, watch := PythonStateWatch(len(blocks)))
+        handles += _watch_written_state(blocks, written := WrittenStateWatch(len(blocks)))
         for b in blocks:
-            handles.append(b.register_forward_pre_hook(probe.pre_hook, with_kwargs=True))
+            # the probe's window holds the whole block call, as an applied plan's region does (`probe_hooks`)
+            handles.append(b.register_forward_pre_hook(probe.pre_hook, prepend=True, with_kwargs=True))
+            handles.append(b.register_forward_pre_hook(probe.parameters_seen))
             handles.append(b.register_forward_hook(probe.post_hook, always_call=True))
         try:
             with tracker:
@@ -131,6 +137,8 @@ def probe_step(
             gap_fwd_bytes=gaps[i],
             gap_grad_bytes=late[i],
             input_unsaved_bytes=probe.input_unsaved[i],
+            unreplayable=tuple(sorted(watch.reasons[i])),
+            written_state_bytes=written.bytes[i],
         )
         for i in range(len(blocks))
     )
@@ -145,6 +153,25 @@ def probe_step(
         carried_end_bytes=terms.end,
         meta={"step_fwd_flops": int(step_fwd_flops), "work": work.dominant()},
     )
+
+
+def _watch_python_state(blocks: Sequence[nn.Module], watch: PythonStateWatch) -> list:
+    """Hooks that record the Python state each block's forward writes (`PythonStateWatch`)."""
+    handles = []
+    for i, b in enumerate(blocks):
+        handles.append(b.register_forward_pre_hook(lambda _m, _args, i=i, b=b: watch.before(i, b)))
+        handles.append(b.register_forward_hook(lambda _m, _args, _out, i=i: watch.after(i), always_call=True))
+    return handles
+
+
+def _watch_written_state(blocks: Sequence[nn.Module], watch: WrittenStateWatch) -> list:
+    """Hooks that record the module state each block's forward writes (`WrittenStateWatch`): first
+    and last of the block's hooks, so a hook of the block's own that writes state counts too."""
+    handles = []
+    for i, b in enumerate(blocks):
+        handles.append(b.register_forward_pre_hook(lambda _m, _args, i=i, b=b: watch.before(i, b), prepend=True))
+        handles.append(b.register_forward_hook(lambda _m, _args, _out, i=i: watch.after(i), always_call=True))
+    return handles
 
 
 def _as_loss(out: Any) -> torch.Tensor:
@@ -206,7 +233,9 @@ def measure_profile(
     # the probes and no larger check is added.
     fixed = sharded_world_size(blocks) > 1
     timed = timing and time_blocks
-    probes = tuple(probe_step(model, blocks, step_fn, slice_batch(batch, s), names, timed) for s in probe_batch_sizes)
+    probes, probe_batch_sizes, check_batch_size = _first_probes(
+        model, blocks, step_fn, batch, tuple(probe_batch_sizes), check_batch_size, names, timed
+    )
     check = None
     if check_batch_size is not None and check_batch_size not in probe_batch_sizes:
         check = probe_step(model, blocks, step_fn, slice_batch(batch, check_batch_size), names, timing=timed and fixed)
@@ -235,6 +264,42 @@ def measure_profile(
         check = None if check is None else _with_rates(check, rates)
     return Profile(probes=probes, check=check)  # type: ignore[arg-type]
 
+
+
+# torch's words when a BatchNorm in training gets one value per channel: (1, C) features, (1, C, 1, 1) maps
+BATCHNORM_ONE_SAMPLE = "Expected more than 1 value per channel when training"
+
+
+def _first_probes(
+    model: nn.Module, blocks: Sequence[nn.Module], step_fn: StepFn, batch: Any, sizes: tuple[int, int],
+    check: int | None, names: Sequence[str] | None, timed: bool,
+) -> tuple[tuple[StepCost, StepCost], tuple[int, int], int | None]:
+    """The probes at `sizes` -> (probes, sizes, check). When the smallest is one sample and a BatchNorm
+    refuses it (pooled (batch, channels) features have one value per channel), the sizes and the check
+    are doubled, (1, 2) and 4 becoming (2, 4) and 8, with a warning that says so; a batch too small
+    for that is refused with the sizes to set."""
+    try:
+        probes = tuple(probe_step(model, blocks, step_fn, slice_batch(batch, s), names, timed) for s in sizes)
+    except ValueError as err:
+        if 1 not in sizes or BATCHNORM_ONE_SAMPLE not in str(err):
+            raise
+        n, shifted = batch_size_of(batch), (2, 2 * max(sizes))
+        if shifted[1] > n:
+            fix = f"probe_batch_sizes=(2, {n})" if n > 2 else "a batch of at least 3 samples and probe_batch_sizes=(2, 3)"
+            raise ValueError(
+                f"the probe of 1 sample failed in a BatchNorm ({err}): in training a BatchNorm over (batch, channels) "
+                f"features needs at least 2 samples, and the batch has {n}, too few for probes {shifted}. "
+                f"Set {fix}."
+            ) from err
+        check = None if check is None or 2 * check > n else 2 * check
+        warnings.warn(
+            f"lightning-ckpt: a BatchNorm refuses a slice of 1 sample in training ({BATCHNORM_ONE_SAMPLE}), so "
+            f"the step is profiled at probe_batch_sizes={shifted} instead of {sizes} and check_batch_size={check}; "
+            f"set probe_batch_sizes={shifted} to start there.",
+            stacklevel=3,
+        )
+        return _first_probes(model, blocks, step_fn, batch, shifted, check, names, timed)
+    return probes, sizes, check  # type: ignore[return-value]
 
 
 def _timed(model: nn.Module, blocks: Sequence[nn.Module], step_fn: StepFn, batch: Any, probe: StepCost) -> StepCost:

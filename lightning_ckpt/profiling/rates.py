@@ -17,6 +17,8 @@ Global RNG and autocast are left alone. Used by `profiler.profile_model`.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -29,7 +31,7 @@ from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.profiling.measured_cache import kept, machine_key
 from lightning_ckpt.profiling.op_bytes import OpBytesCounter
 
-__all__ = ["TinyOpsBlock", "count_op_calls", "interleaved_medians", "kept_rates", "measure_rates", "step_clock"]
+__all__ = ["TinyOpsBlock", "check_rates_dict", "count_op_calls", "interleaved_medians", "kept_rates", "measure_rates", "step_clock"]
 
 # (matmul side, elements of the memory-bound and random tensors) per device type. On a CPU,
 # 2**18 elements (1 MiB in fp32) stay near the core's L2 like a block's activations at small
@@ -51,8 +53,42 @@ def kept_rates(
     measures again). Each run then plans from the same rates."""
     device = torch.device(device)
     key = {**machine_key(device), "flop_dtype": str(_dtype(flop_dtype)), "mem_dtype": str(_dtype(mem_dtype)), "version": _VERSION}
-    value = kept("rates", key, lambda: measure_rates(device, flop_dtype, mem_dtype).to_dict())
+    value = kept("rates", key, lambda: measure_rates(device, flop_dtype, mem_dtype).to_dict(), check=check_rates_dict)
     return MachineRates.from_dict(value)
+
+
+_RATE_FIELDS = ("flop_per_s", "mem_byte_per_s", "rng_byte_per_s")
+_SECONDS_FIELDS = ("segment_s", "op_call_s", "keep_draws_op_s", "keep_ops_op_s")
+_TEXT_FIELDS = ("device", "flop_dtype", "mem_dtype")
+
+
+def _number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name}={value!r} is not a finite number")
+    return float(value)
+
+
+def check_rates_dict(data: object) -> None:
+    """Raise `ValueError`/`TypeError` unless `data` is a `MachineRates.to_dict()` as kept between
+    runs: exactly its fields, finite positive rates, finite seconds >= 0, no bools for numbers."""
+    if not isinstance(data, dict):
+        raise TypeError(f"rates are a {type(data).__name__}, not an object of MachineRates fields")
+    fields = {f.name for f in dataclasses.fields(MachineRates)}
+    if set(data) != fields:
+        raise ValueError(f"rates have fields {sorted(set(data) ^ fields)} missing or unknown")
+    for name in _RATE_FIELDS:
+        if _number(name, data[name]) <= 0:
+            raise ValueError(f"{name}={data[name]!r} is not a positive rate")
+    for name in _SECONDS_FIELDS:
+        if _number(name, data[name]) < 0:
+            raise ValueError(f"{name}={data[name]!r} is negative")
+    for name in _TEXT_FIELDS:
+        if not isinstance(data[name], str):
+            raise TypeError(f"{name}={data[name]!r} is not a string")
+    gather = data["gather_byte_per_s"]
+    if gather is not None and _number("gather_byte_per_s", gather) <= 0:
+        raise ValueError(f"gather_byte_per_s={gather!r} is not a positive rate")
+    MachineRates.from_dict(data)
 
 
 def measure_rates(

@@ -1,12 +1,15 @@
-"""Everything a profiling step may change, put back as it was: RNG streams,
-buffers, `.grad` and `requires_grad` of every parameter, train/eval modes and
-torchmetrics states; and a check that no parameter was written in place."""
+"""Everything a profiling step may change, put back as it was: RNG streams, buffers (the
+same objects, shapes and values), `.grad` and `requires_grad` of every parameter, train/eval
+modes, torchmetrics states and modules' Python attributes; and a check that no parameter was
+written in place."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,31 +43,149 @@ def preserved_rng() -> Iterator[None]:
 @contextlib.contextmanager
 def preserved_state(model: nn.Module) -> Iterator[None]:
     """Restore RNG streams, buffers, `.grad` and `requires_grad` of every parameter, train
-    modes and torchmetrics states on exit; `.grad` is None inside."""
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    params = list(model.parameters())
+    modes, torchmetrics states and the Python attributes of modules on exit; `.grad` is None inside.
+
+    Every buffer goes back as the object it was, under its name (a forward that
+    rebinds `self.ema = ...` gets its original tensor back), with its values and shape (a buffer a
+    forward resized, as QAT observers resize `min_val` from [0] to [C], is set back with `set_`).
+    Everything is put back even when one item fails; then one `StateRestoreError` names each failure."""
+    held = _held_tensors(model)
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
     grads = [p.grad for p in params]
     requires = [p.requires_grad for p in params]
     modes = [(m, m.training) for m in model.modules()]
     metrics = [(m, _metric_state(m)) for m in model.modules() if _is_metric(m)]
+    attrs = [(path, m, _python_attributes(m)) for path, m in model.named_modules() if not _is_metric(m)]
     with preserved_rng():
         for p in params:
             p.grad = None
         try:
             yield
         finally:
-            for p, g, r in zip(params, grads, requires):
-                p.grad = g
-                if p.requires_grad != r:
-                    p.requires_grad_(r)
-            with torch.no_grad():
-                for b, copy in buffers:
-                    b.copy_(copy)
+            failed: list[str] = []
+            for item in held:
+                _restore(item, failed)
+            for (name, p), g, r in zip(named, grads, requires):
+                _attempt(failed, name, "grad", lambda p=p, g=g, r=r: _restore_grad(p, g, r))
             for m, mode in modes:
                 m.training = mode
+            for path, m, saved in attrs:
+                for key, value in saved.items():
+                    put_back = lambda m=m, key=key, value=value: _restore_attribute(m, key, value)  # noqa: E731
+                    _attempt(failed, path or "<model>", key, put_back)
             for m, state in metrics:
                 for k, v in state.items():
                     setattr(m, k, v)
+            if failed:
+                raise StateRestoreError(
+                    f"profiling could not put {len(failed)} item(s) of the model back as they were: "
+                    + "; ".join(failed)
+                    + ". The others were restored. The model is no longer exactly as before profiling: make these "
+                    "buffers or attributes plain tensors the forward writes in place (or re-creates with the same "
+                    "shape), or report the failing type."
+                )
+
+
+class StateRestoreError(RuntimeError):
+    """Some buffers, parameters or attributes could not be put back after profiling (each one named)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _HeldTensor:
+    """A buffer as found: where it lives, the object and a copy of its values."""
+
+    module: nn.Module
+    path: str
+    name: str
+    kind: str  # the module's table it lives in: "_buffers"
+    obj: torch.Tensor | None
+    copy: torch.Tensor | None
+    shape: tuple[int, ...] | None
+
+
+def _held_tensors(model: nn.Module) -> list[_HeldTensor]:
+    held = []
+    for path, m in model.named_modules(remove_duplicate=False):
+        for name, b in m._buffers.items():
+            copy = None if b is None else b.detach().clone()
+            shape = None if b is None else tuple(b.shape)
+            held.append(_HeldTensor(m, path or "<model>", name, "_buffers", b, copy, shape))
+    return held
+
+
+def _attempt(failed: list[str], path: str, name: str, restore) -> None:
+    try:
+        restore()
+    except Exception as err:  # every item is restored whatever the others do; failures are reported together
+        failed.append(f"{path}.{name} ({type(err).__name__}: {err})")
+
+
+def _restore(item: _HeldTensor, failed: list[str]) -> None:
+    def put_back() -> None:
+        table = getattr(item.module, item.kind)
+        if table.get(item.name) is not item.obj:  # rebound by assignment in forward (or deleted)
+            table[item.name] = item.obj
+        if item.copy is None:
+            return
+        with torch.no_grad():
+            if tuple(item.obj.shape) != item.shape:  # resized in forward: take the old shape and values back
+                item.obj.set_(item.copy)
+            else:
+                item.obj.copy_(item.copy)
+
+    _attempt(failed, item.path, item.name, put_back)
+
+
+def _restore_grad(p: torch.Tensor, grad: torch.Tensor | None, requires: bool) -> None:
+    p.grad = grad
+    if p.requires_grad != requires:
+        p.requires_grad_(requires)
+
+
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+
+
+def _python_attributes(m: nn.Module) -> dict[str, tuple[str, Any]]:
+    """A module's own attributes a forward may write: numbers, strings and flags by value, tensors by
+    object, lists and dicts by their items (shallow)."""
+    saved: dict[str, tuple[str, Any]] = {}
+    for key, value in vars(m).items():
+        if key in _MODULE_INTERNALS or key.startswith("__"):
+            continue
+        if isinstance(value, (bool, int, float, str, type(None))):
+            saved[key] = ("plain", value)
+        elif isinstance(value, torch.Tensor):
+            saved[key] = ("tensor", value)
+        elif type(value) is list:
+            saved[key] = ("list", (value, list(value)))
+        elif type(value) is dict:
+            saved[key] = ("dict", (value, dict(value)))
+    return saved
+
+
+def _restore_attribute(m: nn.Module, key: str, saved: tuple[str, Any]) -> None:
+    kind, value = saved
+    now = vars(m).get(key, _MISSING)
+    if kind in ("plain", "tensor"):
+        if now is not value:
+            setattr(m, key, value)
+    elif kind == "list":
+        obj, items = value
+        if now is not obj:
+            setattr(m, key, obj)
+        if len(obj) != len(items) or any(a is not b for a, b in zip(obj, items)):
+            obj[:] = items
+    else:
+        obj, items = value
+        if now is not obj:
+            setattr(m, key, obj)
+        if obj.keys() != items.keys() or any(obj[k] is not v for k, v in items.items()):
+            obj.clear()
+            obj.update(items)
+
+
+_MISSING = object()
 
 
 @contextlib.contextmanager

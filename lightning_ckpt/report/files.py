@@ -1,13 +1,20 @@
 """The report's files: the plan and its profile as JSON (`REPORT_JSON`, written before the first
 step), and the trade-off plot as PNG (`REPORT_PNG`, drawn by `report.plot`, on a thread of its own
-when asked). The JSON leaves out the per-op records unless asked (`full=True`).
+when asked). The JSON leaves out the per-op records unless asked (`full=True`). Each file is
+written whole or not at all (a temporary file beside it, then renamed over it: a symlink there is
+replaced, never written through), and `write_report` turns a file it cannot write into one warning.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
+import tempfile
 import threading
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 from lightning_ckpt.costs.block_costs import StepCost
@@ -36,9 +43,9 @@ def write_json(
     Without `full` the per-op records of every block (what op-level plans choose from, most of
     the bytes: 3.7 MB of the 48-block encoder's 4.0 MB) are left out of the cost and of every
     probe of the profile, and ``"full"`` says so; `StepCost.from_dict` and `Profile.from_dict`
-    read either form back."""
+    read either form back. The file is written whole (`write_whole`): an `OSError` leaves what
+    was there before and no partial file."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
 
     def cost_dict(c: StepCost) -> dict:
         return c.to_dict() if full else _without_ops(c)
@@ -52,7 +59,35 @@ def write_json(
         "cost": None if cost is None else cost_dict(cost),
         "full": full,
     }
-    path.write_text(json.dumps(data, indent=2))
+    text = json.dumps(data, indent=2)
+    return write_whole(path, lambda tmp: tmp.write_text(text))
+
+
+def write_whole(path: str | Path, write: Callable[[Path], object]) -> Path:
+    """`write(tmp)` into a temporary file beside `path`, flushed to disk, then renamed over `path`;
+    -> `path`. Either the whole new file is there or what was there before: on any error the
+    temporary file is removed and the error raised. A symlink at `path` is replaced by the file,
+    the file it pointed to is left as it was (a rename replaces the link, it does not follow it)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=f".tmp{path.suffix}")
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    with contextlib.suppress(OSError):  # the rename itself on disk; not every file system allows it
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
     return path
 
 
@@ -64,9 +99,19 @@ def write_report(
     `REPORT_PNG` when the step's cost is known (a plan resumed from a checkpoint may come without
     it); -> the paths written. With `background` the PNG (its curves planned, then drawn: 0.4-0.8 s
     at 48 blocks on one CPU thread) is made on a thread of its own, off the training step's path; `wait_for_plots`
-    waits for it (the callback does at the end of fit, and the process at exit)."""
+    waits for it (the callback does at the end of fit, and the process at exit).
+
+    The report never stops training: a file that cannot be written (a folder that cannot be
+    made or written, a full disk, a file size limit) is one warning naming it and the error, and
+    is left out of the paths; no partial file stays behind. When the JSON cannot be written the
+    PNG is not tried."""
     directory = Path(directory)
-    paths = [write_json(directory / REPORT_JSON, plan, profile, cost, full=full)]
+    json_path = directory / REPORT_JSON
+    try:
+        paths = [write_json(json_path, plan, profile, cost, full=full)]
+    except OSError as err:
+        _tell_unwritten(json_path, err)
+        return []
     if cost is not None:
         png = directory / REPORT_PNG
         if background:
@@ -74,9 +119,27 @@ def write_report(
             _PENDING.append(thread)
             thread.start()
         else:
-            plot_tradeoff(png, cost, plan, metric=metric)
+            try:
+                _plot_whole(png, cost, plan, metric)
+            except OSError as err:
+                _tell_unwritten(png, err)
+                return paths
         paths.append(png)
     return paths
+
+
+def _tell_unwritten(path: Path, err: OSError) -> None:
+    warnings.warn(
+        f"lightning-ckpt: the plan report could not be written to {path} ({type(err).__name__}: {err}); "
+        "training goes on without it. Point the logger (or the Trainer's default_root_dir) at a writable "
+        "folder with free space to get it.",
+        stacklevel=3,
+    )
+
+
+def _plot_whole(path: Path, cost: StepCost, plan: Plan, metric: str) -> Path:
+    """The trade-off PNG, written whole (`write_whole`)."""
+    return write_whole(path, lambda tmp: plot_tradeoff(tmp, cost, plan, metric=metric))
 
 
 _PENDING: list[threading.Thread] = []
@@ -85,7 +148,7 @@ _FAILED: list[str] = []
 
 def _plot_or_keep_error(path: Path, cost: StepCost, plan: Plan, metric: str) -> None:
     try:
-        plot_tradeoff(path, cost, plan, metric=metric)
+        _plot_whole(path, cost, plan, metric)
     except Exception as err:  # told by `wait_for_plots`, on the caller's thread
         _FAILED.append(f"{path}: {type(err).__name__}: {err}")
 

@@ -56,6 +56,7 @@ class ActivationCheckpointing(Callback):
         tune_allocator: make the memory the OS or GPU sees follow the tensors; None: on CUDA only
             (``expandable_segments``); True: glibc malloc thresholds on CPU too (slower steps); False: never.
         keep_hf_checkpointing: leave a model's own (HF) gradient checkpointing in charge (no plan applied).
+        allow_python_state: let blocks whose forward writes Python state be checkpointed (True, or their names).
     """
 
     POLICIES = POLICIES
@@ -82,17 +83,25 @@ class ActivationCheckpointing(Callback):
         plan_only: bool = False,
         tune_allocator: bool | None = None,
         keep_hf_checkpointing: bool = False,
+        allow_python_state: bool | list[str] = False,
     ) -> None:
         super().__init__()
         arguments.check_target(target_batch_size, batch_multiple)
         self.memory_budget = None if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
         arguments.check_policy(policy, every_k, cost_metric, granularity, max_levels)
         self.blocks = arguments.check_blocks(blocks)
+        arguments.check_name(batch_arg_name, "batch_arg_name", "the attribute that holds the loader's batch size.")
+        arguments.check_flags(
+            ("measure_peak", "tune_allocator"), guard_batchnorm=guard_batchnorm, verbose=verbose,
+            strict_resume=strict_resume, measure_peak=measure_peak, report=report, plan_only=plan_only,
+            tune_allocator=tune_allocator, keep_hf_checkpointing=keep_hf_checkpointing,
+        )
         self._settings = dict(
             policy=policy, every_k=every_k, cost_metric=cost_metric, granularity=granularity, max_levels=max_levels,
             probe_batch_sizes=arguments.check_probes(probe_batch_sizes, check_batch_size),
             check_batch_size=check_batch_size, guard_batchnorm=guard_batchnorm, batch_multiple=batch_multiple,
             keep_hf_checkpointing=keep_hf_checkpointing,
+            allow_python_state=arguments.check_allow_python_state(allow_python_state),
         )
         self.target_batch_size, self.policy, self.granularity, self.max_levels = target_batch_size, policy, granularity, max_levels
         self.cost_metric, self.batch_arg_name, self.verbose, self.strict_resume = cost_metric, batch_arg_name, verbose, strict_resume

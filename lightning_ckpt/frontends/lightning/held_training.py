@@ -170,6 +170,7 @@ class ManualStep:
         self.losses: list[Any] = []
         self.runs = [0] * len(self.names)
         self.active = False
+        self.checks: list[tuple[torch.nn.Module, int]] = []  # (block, id of its `block_ran` pre-hook)
 
     def backward(self, loss: Any, *args: Any, **kwargs: Any) -> None:
         self.losses.append(loss)
@@ -183,6 +184,9 @@ class ManualStep:
 
     def __call__(self, batch: Any) -> Any:
         self.losses, self.runs, self.active = [], [0] * len(self.names), True
+        for block, hid in self.checks:  # before the profiler's own block hooks, put in front since
+            if hid in block._forward_pre_hooks:  # (a block run twice is a second pass, not a wrong order)
+                block._forward_pre_hooks.move_to_end(hid, last=False)
         try:
             out = self.step_fn(batch)
         finally:
@@ -212,6 +216,7 @@ def _manual_step(
         b.register_forward_pre_hook(lambda module, args, i=i: step.block_ran(i), prepend=True)
         for i, b in enumerate(blocks)
     ]
+    step.checks = [(b, h.id) for b, h in zip(blocks, handles)]
     try:
         with _instance_attribute(pl_module, "manual_backward", step.backward):
             yield step

@@ -29,7 +29,8 @@ def write_plan_report(
 ) -> list[Path]:
     """Write the report on rank 0 (call it on every rank); -> the paths written (none elsewhere).
     `full`: the JSON keeps every block's per-op records (`report.write_json`). The JSON is written
-    now; the PNG is drawn on a thread of its own while training goes on (`finish_reports`)."""
+    now; the PNG is drawn on a thread of its own while training goes on (`finish_reports`).
+    A report that cannot be written is one warning, and training goes on (`report.write_report`)."""
     log_dir = trainer.log_dir  # a collective: every rank calls it
     if not trainer.is_global_zero:
         return []
@@ -37,11 +38,12 @@ def write_plan_report(
     if not trainer.loggers or log_dir is None:
         log_dir, where = trainer.default_root_dir, "the Trainer's default_root_dir: there is no logger"
     paths = write_report(Path(log_dir), plan, profile, cost, metric=metric, full=full, background=True)
-    rank_zero_info(f"lightning-ckpt: plan report written to {', '.join(map(str, paths))} (in {where})")
+    if paths:
+        rank_zero_info(f"lightning-ckpt: plan report written to {', '.join(map(str, paths))} (in {where})")
     return paths
 
 
 def finish_reports() -> None:
     """Wait for the report PNGs still being drawn; a plot that failed is told here, once."""
     for failure in wait_for_plots():
-        rank_zero_warn(f"lightning-ckpt: the trade-off plot could not be written ({failure}); the JSON report is complete.")
+        rank_zero_warn(f"lightning-ckpt: the trade-off plot could not be written ({failure}); the JSON report is complete and training went on.")

@@ -27,7 +27,7 @@ from lightning_ckpt.profiling.batch import tensors_in
 from lightning_ckpt.profiling.rss import RssPeak, current_anon_bytes, current_rss_bytes
 from lightning_ckpt.profiling.step_peak import state_tensors
 from lightning_ckpt.profiling.tracker import LiveBytesTracker
-from lightning_ckpt.report.files import REPORT_JSON
+from lightning_ckpt.report.files import REPORT_JSON, write_whole
 
 
 @dataclass(frozen=True)
@@ -170,8 +170,20 @@ def report(
         rank_zero_info(line)
     for path in report_paths:
         if Path(path).name == REPORT_JSON:
-            data = json.loads(Path(path).read_text())
-            if "measured" in data:
-                continue
-            data["measured"] = {"predicted_peak_bytes": plan.predicted_peak_bytes, **reading.to_dict()}
-            Path(path).write_text(json.dumps(data, indent=2))
+            _add_to_report(Path(path), {"predicted_peak_bytes": plan.predicted_peak_bytes, **reading.to_dict()})
+
+
+def _add_to_report(path: Path, measured: dict) -> None:
+    """The measured peak into the report JSON, replaced whole; a report that cannot be read or
+    written is one warning, and training goes on (the report is optional output)."""
+    try:
+        data = json.loads(path.read_text())
+        if "measured" in data:
+            return
+        data["measured"] = measured
+        write_whole(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2)))
+    except (OSError, ValueError) as err:
+        rank_zero_warn(
+            f"lightning-ckpt: the measured peak could not be added to the report {path} ({type(err).__name__}: {err}); "
+            "training goes on, and the measured peak is in the logged ckpt/measured_* metrics."
+        )

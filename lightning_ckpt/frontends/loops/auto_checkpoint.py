@@ -133,6 +133,7 @@ def auto_checkpoint(
     optimizer_state_bytes: int | None = None,
     accumulate_grad_batches: int = 1,
     keep_hf_checkpointing: bool = False,
+    allow_python_state: bool | list[str] = False,
     check_shapes: bool = True,
     verbose: bool = True,
     info: Callable[[str], None] = print,
@@ -153,10 +154,15 @@ def auto_checkpoint(
             then `handle.batch_size`.
         accumulate_grad_batches: > 1 when gradients of earlier micro-batches are alive in the step.
         keep_hf_checkpointing: leave the model's own (HF) gradient checkpointing in charge (no plan applied).
+        allow_python_state: let blocks whose forward writes Python state (a counter, a list, `random`
+            draws) be checkpointed: True, or their names. By default they stay kept.
         check_shapes: refuse a training forward larger than any planned one that `handle.step` did not plan.
         info: where messages go (rank 0 only).
         The other arguments are `ActivationCheckpointing`'s.
     """
+    budget_bytes = None if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model={model!r} has type {type(model).__name__}, not torch.nn.Module; pass the module you train.")
     arguments.check_target(example_batch_size(example_batch) if target_batch_size is None else target_batch_size,
                            batch_multiple)
     arguments.check_policy(policy, every_k, cost_metric, granularity, max_levels)
@@ -165,11 +171,17 @@ def auto_checkpoint(
     arguments.positive_int(accumulate_grad_batches, "accumulate_grad_batches", "1 when every step steps the optimizer.")
     if not callable(step_fn):
         raise TypeError(f"step_fn={step_fn!r} is not callable; pass a function batch -> loss (the step's forward).")
+    if not callable(info):
+        raise TypeError(f"info={info!r} is not callable; pass a function that takes a message, such as print.")
+    arguments.check_flags(guard_batchnorm=guard_batchnorm, keep_hf_checkpointing=keep_hf_checkpointing,
+                          check_shapes=check_shapes, verbose=verbose)
+    if optimizer_state_bytes is not None and (isinstance(optimizer_state_bytes, bool) or
+                                              not isinstance(optimizer_state_bytes, int) or optimizer_state_bytes < 0):
+        raise ValueError(f"optimizer_state_bytes={optimizer_state_bytes!r} must be a whole number of bytes, 0 or more "
+                         "(the optimizer's state once it exists), or None to have it sized from the optimizer.")
     driver = PlainDriver(model, step_fn, optimizer, optimizer_state_bytes, accumulate_grad_batches > 1, info=info)
     _check_optimizer(driver.optimizer, optimizer_state_bytes)
-    budget = arguments.resolve_budget(
-        None if memory_budget is None else parse_bytes(memory_budget, "memory_budget"), _device_of(driver.model)
-    )
+    budget = arguments.resolve_budget(budget_bytes, _device_of(driver.model))
     _, names, modules = resolve_blocks(driver.model, blocks)  # None: raises when there is no container at all
     if blocks is None:  # the chain, across containers, that holds most of the bytes the step saves
         with preserved_rng():
@@ -180,6 +192,7 @@ def auto_checkpoint(
     settings = EngineSettings(
         budget, policy, every_k, cost_metric, granularity, max_levels, probes, check_batch_size, guard_batchnorm,
         batch_multiple, keep_hf_checkpointing,
+        allow_python_state=arguments.check_allow_python_state(allow_python_state),
     )
     engine = CheckpointEngine(settings, driver)
     engine.bind(modules, names, model=driver.model)  # HF caches off until `remove` (`model_compat`)
