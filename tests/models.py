@@ -75,6 +75,21 @@ def train_steps(model: nn.Module, batches, steps: int = 3, lr: float = 0.1):
     return losses, grads
 
 
+def loop_steps(step_fn, batches, optimizer, handle=None) -> list[torch.Tensor]:
+    """A plain training loop in Lightning's order (`handle.step(batch)` first when an
+    `auto_checkpoint` handle is given); -> the losses."""
+    losses = []
+    for batch in batches:
+        if handle is not None:
+            handle.step(batch)
+        loss = step_fn(batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
 class IdentityWrap(torch.autograd.Function):
     """An identity autograd Function like those DeepSpeed ZeRO-3 puts around every module's
     inputs and outputs: the forward returns `x.detach()` (a new tensor object on the same

@@ -10,14 +10,13 @@ import warnings
 
 import pytest
 import torch
-from models import TinyChain, tokens_batch
+from test_measured_cache import profiled_chain
 from torch import nn
 
 import lightning_ckpt.apply.keep_calibration as calibration
 import lightning_ckpt.profiling.rates as rates_module
 from lightning_ckpt.apply.keep_calibration import calibrated_profile
 from lightning_ckpt.costs.machine_rates import MachineRates
-from lightning_ckpt.engine.step_profile import profile_model
 from lightning_ckpt.planning.timing_fit import BlockTiming
 from lightning_ckpt.profiling import measured_cache
 from lightning_ckpt.profiling.measured_cache import CACHE_ENV, REMEASURE_ENV, kept
@@ -153,11 +152,7 @@ CALIBRATION_DAMAGE = {
 
 @pytest.mark.parametrize("field, value", CALIBRATION_DAMAGE.values(), ids=CALIBRATION_DAMAGE.keys())
 def test_a_damaged_calibration_is_measured_again_and_the_file_healed(folder, monkeypatch, field, value):
-    torch.manual_seed(0)
-    model = TinyChain(n_blocks=2, d=8, p=0.1)
-    batch = tokens_batch(batch=4, seq=4)
-    given = MachineRates(flop_per_s=1e10, mem_byte_per_s=1e9, rng_byte_per_s=1e8, segment_s=1e-5, op_call_s=1e-6)
-    profile = profile_model(model, list(model.blocks), _loss(model), batch, (2, 4), 4, rates=given, calibrate_keeps=False)
+    model, batch, given, profile = profiled_chain(n_blocks=2, d=8, batch=4, seq=4)
     measured: list = []
 
     def measure_block(*args, **kwargs):

@@ -124,12 +124,18 @@ def _loss(model):
     return lambda batch: nn.functional.cross_entropy(model(batch[0]), batch[1])
 
 
-def test_a_calibration_is_kept_for_the_same_blocks_batch_and_rates(folder, monkeypatch):
+def profiled_chain(n_blocks: int, d: int, batch: int, seq: int):
+    """A dropout chain profiled at given rates, without the calibration -> (model, batch, rates, profile)."""
     torch.manual_seed(0)
-    model = TinyChain(n_blocks=3, d=16, p=0.1)
-    batch = tokens_batch(batch=8, seq=6)
+    model = TinyChain(n_blocks=n_blocks, d=d, p=0.1)
+    data = tokens_batch(batch=batch, seq=seq)
     given = MachineRates(flop_per_s=1e10, mem_byte_per_s=1e9, rng_byte_per_s=1e8, segment_s=1e-5, op_call_s=1e-6)
-    profile = profile_model(model, list(model.blocks), _loss(model), batch, (2, 4), 8, rates=given, calibrate_keeps=False)
+    profile = profile_model(model, list(model.blocks), _loss(model), data, (2, 4), min(8, batch), rates=given, calibrate_keeps=False)
+    return model, data, given, profile
+
+
+def test_a_calibration_is_kept_for_the_same_blocks_batch_and_rates(folder, monkeypatch):
+    model, batch, given, profile = profiled_chain(n_blocks=3, d=16, batch=8, seq=6)
     measured: list = []
 
     def measure_block(*args, **kwargs):

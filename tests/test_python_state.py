@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from models import loop_steps
 from oracles import all_plans, chainable, walk_peak
 from test_policies import random_cost
 from torch import nn
@@ -100,17 +101,7 @@ def _batches(n: int = 3):
 
 def _train(model: Net, batches, handle=None):
     random.seed(0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    step, losses = _step_fn(model), []
-    for batch in batches:
-        if handle is not None:
-            handle.step(batch)
-        loss = step(batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-    return losses
+    return loop_steps(_step_fn(model), batches, torch.optim.SGD(model.parameters(), lr=0.05), handle)
 
 
 @pytest.mark.parametrize("kind", ["branch", "moe", "random"])
@@ -195,14 +186,19 @@ POLICY_RUNS = [
 ]
 
 
+def _marked_case(seed: int, frac: float, n: int, marks: set[int]):
+    """A random cost with the blocks in `marks` must-keep, and a budget `frac` of the way between the
+    `full` and `none` peaks of the same cost unmarked -> (unmarked cost, cost, kept, budget)."""
+    plain = random_cost(random.Random(seed), n)
+    kept = {i for i in marks if i < n}
+    lo, hi = (predict_peak(plain, s).peak_bytes for s in (every_k_segments(n, 1), []))
+    return plain, _marked(plain, kept), kept, int(min(lo, hi) + frac * abs(hi - lo))
+
+
 @settings(max_examples=80, deadline=None)
 @given(seed=st.integers(0, 10**6), frac=st.floats(0.0, 1.0), n=st.integers(1, 9), marks=st.sets(st.integers(0, 8)))
 def test_no_policy_puts_a_must_keep_block_in_a_segment(seed, frac, n, marks):
-    plain = random_cost(random.Random(seed), n)
-    kept = {i for i in marks if i < n}
-    cost = _marked(plain, kept)
-    lo, hi = (predict_peak(plain, s).peak_bytes for s in (every_k_segments(n, 1), []))
-    budget = int(min(lo, hi) + frac * abs(hi - lo))
+    plain, cost, kept, budget = _marked_case(seed, frac, n, marks)
     for policy, extra in POLICY_RUNS:
         needs = policy in ("greedy", "optimal") or (policy == "every_k" and not extra)
         try:
@@ -219,11 +215,7 @@ def test_no_policy_puts_a_must_keep_block_in_a_segment(seed, frac, n, marks):
 @given(seed=st.integers(0, 10**6), frac=st.floats(0.0, 1.0), n=st.integers(1, 8), marks=st.sets(st.integers(0, 7)))
 def test_optimal_with_must_keep_blocks_is_the_best_plan_that_keeps_them(seed, frac, n, marks):
     """Brute force over every plan that leaves the marked blocks out of segments."""
-    plain = random_cost(random.Random(seed), n)
-    kept = {i for i in marks if i < n}
-    cost = _marked(plain, kept)
-    lo, hi = (predict_peak(plain, s).peak_bytes for s in (every_k_segments(n, 1), []))
-    budget = int(min(lo, hi) + frac * abs(hi - lo))
+    plain, cost, kept, budget = _marked_case(seed, frac, n, marks)
     best = None
     for segs in all_plans(n):
         if not chainable(plain, segs) or any(a <= i <= b for a, b in segs for i in kept):

@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from models import loop_steps
 from torch import nn
 from torch.ao import quantization as tq
 
@@ -232,17 +233,7 @@ def test_auto_checkpoint_trains_a_spectral_norm_model_bit_identically():
         assert rise == sum(b.written_state_bytes for b in cost.blocks)
 
     def train(m, handle=None, opt=None):
-        opt = opt or torch.optim.AdamW(m.parameters(), lr=0.05)
-        losses = []
-        for batch in batches:
-            if handle is not None:
-                handle.step(batch)
-            loss = loss_fn(m)(batch)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
-        return losses
+        return loop_steps(loss_fn(m), batches, opt or torch.optim.AdamW(m.parameters(), lr=0.05), handle)
 
     plain = model()
     ref = (plain, train(plain))
