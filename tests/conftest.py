@@ -32,7 +32,13 @@ os.environ["LIGHTNING_CKPT_CACHE_DIR"] = "off"
 # longer works would go unseen. Each session builds them in a new folder (the ranks its tests start
 # inherit it; the build takes 1-2 minutes on two busy cores), set before any test module imports
 # DeepSpeed and removed when the session ends.
-EXTENSIONS_DIR = tempfile.mkdtemp(prefix="lightning-ckpt-torch-extensions-")
+# With `-n 2` (README) the test processes inherit the folder of the process that started them, so the ops
+# are built once per session (torch's build lock makes a second process wait for the first build).
+SESSION_DIR_VAR = "LIGHTNING_CKPT_TEST_EXTENSIONS_DIR"
+OWNS_EXTENSIONS_DIR = SESSION_DIR_VAR not in os.environ
+if OWNS_EXTENSIONS_DIR:
+    os.environ[SESSION_DIR_VAR] = tempfile.mkdtemp(prefix="lightning-ckpt-torch-extensions-")
+EXTENSIONS_DIR = os.environ[SESSION_DIR_VAR]
 os.environ["TORCH_EXTENSIONS_DIR"] = EXTENSIONS_DIR
 
 # A property test fails on a wrong answer, never on how long an example or its generation takes.
@@ -56,4 +62,6 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    shutil.rmtree(EXTENSIONS_DIR, ignore_errors=True)
+    if OWNS_EXTENSIONS_DIR:
+        shutil.rmtree(EXTENSIONS_DIR, ignore_errors=True)
+

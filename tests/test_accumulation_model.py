@@ -251,3 +251,32 @@ def test_autograd_holds_a_new_gradient_while_adding_it_into_the_old():
     (first_peak, first_left), (second_peak, second_left) = extra
     assert first_left >= grad_bytes and second_left < 1024  # the first leaves its gradients, the second nothing
     assert second_peak == first_peak >= grad_bytes
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_an_accumulating_backward_holds_one_op_s_new_gradients_at_a_time_and_the_profile_holds_at_least_that(shared):
+    """What autograd holds beside the old gradients while it adds new ones in (the transient gradient):
+    one op's new parameter gradients at a time (a Linear's weight and bias), not the block's; a weight
+    the block uses twice, its two parts and their sum (the engine adds them before the weight's
+    gradient is accumulated). The profile's backward runs with every `.grad` unset, so each new gradient
+    stays from its op on: its peak above the backward's start (`bwd_transient_bytes`) is never below
+    the accumulating backward's, which is why the memory model needs no term for it."""
+    torch.manual_seed(0)
+    first = nn.Linear(256, 256)
+    block = nn.Sequential(first, nn.GELU(), first if shared else nn.Linear(256, 256), nn.Linear(256, 256))
+    x = torch.randn(1, 256)  # activations of a few KiB: the gradients are the whole peak
+    weight = 256 * 256 * 4
+    extra = []
+    for _ in range(3):
+        with LiveBytesTracker() as tracker:
+            tracker.adopt(state_tensors(block))
+            start = tracker.live_bytes
+            tracker.reset_peak()
+            block(x.clone()).sum().backward()
+        extra.append(tracker.peak_bytes - start)
+    unset, accumulating = extra[0], extra[1:]
+    assert accumulating[0] == accumulating[1] <= unset
+    if shared:  # the shared weight's two parts and their sum
+        assert 3 * weight <= accumulating[0] < 3 * weight + 16 * 1024
+    else:  # one weight at a time, though the block's are three
+        assert weight <= accumulating[0] < weight + 16 * 1024 and unset >= 3 * weight

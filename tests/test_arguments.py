@@ -99,7 +99,8 @@ _CALLBACK_CASES = [
     ({"batch_arg_name": ""}, r"^batch_arg_name='' must be a non-empty string; the attribute that holds"),
     ({"batch_arg_name": 3}, r"^batch_arg_name=3 must be a non-empty string"),
     ({"strict_resume": "no"}, r"^strict_resume='no' has type str, not bool; give True or False"),
-    ({"measure_peak": "yes"}, r"^measure_peak='yes' has type str, not bool; give True, False or None"),
+    ({"measure_peak": "yes"}, r"^measure_peak='yes' has type str, not bool; give True or False"),
+    ({"measure_peak": None}, r"^measure_peak=None has type NoneType, not bool; give True or False"),
     ({"report": 0}, r"^report=0 has type int, not bool; give True or False"),
     ({"plan_only": "true"}, r"^plan_only='true' has type str, not bool"),
     ({"tune_allocator": 1}, r"^tune_allocator=1 has type int, not bool; give True, False or None"),
@@ -152,7 +153,7 @@ def test_auto_checkpoint_refuses_each_bad_argument_before_profiling(kwargs, erro
     [
         ({"probe_batch_sizes": (2, 1)}, (1, 2)),  # either order: the smaller is probed first
         ({"probe_batch_sizes": [2, 4], "check_batch_size": None}, (2, 4)),  # YAML gives a list
-        ({"probe_batch_sizes": (1, 2), "measure_peak": None, "tune_allocator": None}, (1, 2)),
+        ({"probe_batch_sizes": (1, 2), "measure_peak": False, "tune_allocator": None}, (1, 2)),
     ],
 )
 def test_good_arguments_are_kept(kwargs, expected):

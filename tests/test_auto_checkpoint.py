@@ -4,6 +4,7 @@ within the budget, every shape planned, and each misuse refused with what to do.
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -259,3 +260,34 @@ def test_the_low_level_path_without_static_memory_is_said():
     with auto_checkpoint(model, _budget(_model(), batch), example_batch=batch, step_fn=_loss(model), optimizer=opt,
                          blocks="blocks", cost_metric="flops", verbose=False) as handle:
         assert handle.plan.segments == plan.segments and handle.plan.predicted_peak_bytes == plan.predicted_peak_bytes
+
+
+def test_a_step_measured_over_the_budget_is_planned_again_with_the_excess_in_reserve():
+    """A loop that measures its steps hands the peak to `handle.measured`: a tensor the step keeps that no
+    profile saw puts it over the budget, which is one warning and a new plan at once; the next step fits."""
+    batches = _batches(n=1)
+    model = _model()
+    budget = _budget(model, batches[0])
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    handle = auto_checkpoint(model, budget, example_batch=batches[0], step_fn=_loss(model), optimizer=opt,
+                             blocks="blocks", cost_metric="flops", verbose=False)
+    kept: list[torch.Tensor] = []
+    predicted = handle.plan.predicted_peak_bytes
+    full = make_plan(handle.engine.cost, "full").predicted_peak_bytes
+    unseen = budget - predicted + (predicted - full) // 2  # over the budget by half the plan's room above `full`
+
+    def keeping(batch):  # keeps a tensor of `unseen` bytes alive until its next step
+        kept[:] = [torch.zeros(unseen // 4)]
+        return _loss(model)(batch)
+
+    measure_step_peak(model, _loss(model), batches[0], opt)  # AdamW's state exists from here on
+    peaks = []
+    for first in (True, False):
+        handle.step(batches[0])
+        peaks.append(measure_step_peak(model, keeping, batches[0], opt))
+        over = pytest.warns(UserWarning, match=r"OVER THE MEMORY BUDGET .* Re-planned that shape") if first else nullcontext()
+        with over:
+            verdict = handle.measured(peaks[-1])
+    handle.remove()
+    assert peaks[0] > budget >= peaks[1] and not verdict.over
+    assert handle.engine.reserves.held(verdict.shape) == verdict.reserve_bytes >= unseen

@@ -24,10 +24,11 @@ class Driver:
         self.profiled, self.applied, self.messages, self.broadcasts = [], [], [], []
         self.timed_blocks: list[bool] = []
 
-    def profile(self, batch, blocks, names, *, batch_idx, probes, check, rates, calibrate_keeps, time_blocks=True):
+    def profile(self, batch, blocks, names, *, batch_idx, probes, check, rates, calibrate_keeps, time_blocks=True,
+                budget=None):
         self.profiled.append(tuple(batch[0].shape))
         self.timed_blocks.append(time_blocks)
-        return profile_model(self.model, blocks, self.loss, batch, probes, check, names=names, timing=False)
+        return profile_model(self.model, blocks, self.loss, batch, probes, check, names=names, timing=False, budget=budget)
 
     def loss(self, batch):
         return F.cross_entropy(self.model(batch[0]), batch[1])

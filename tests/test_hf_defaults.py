@@ -1,4 +1,4 @@
-"""HF T5 and Llama as their configs ship (`use_cache=True`) under the callback, with segments of several
+"""HF T5, Llama and GPT-NeoX as their configs ship (`use_cache=True`) under the callback, with segments of several
 blocks and with nested segments: every step within the budget, predicted within 3 %, no growth over 7
 steps, losses those of the run without checkpointing, and `use_cache` back to True after fit; and HF's own
 gradient checkpointing, enabled beforehand, taken over for the fit and restored."""
@@ -26,12 +26,12 @@ def _chain(entry):
     return f"model.{entry.chain}" if isinstance(entry.chain, str) else [f"model.{c}" for c in entry.chain]
 
 
-def _loader(entry) -> DataLoader:
-    batches = [entry.batch(BATCH, seed=0)] * STEPS  # one batch again and again: the steps must not grow
+def _loader(entry, steps: int = STEPS) -> DataLoader:
+    batches = [entry.batch(BATCH, seed=0)] * steps  # one batch again and again: the steps must not grow
     return DataLoader(batches, batch_size=None)
 
 
-def _fit(name: str, sizes: dict, **callback):
+def _fit(name: str, sizes: dict, steps: int = STEPS, **callback):
     pl.seed_everything(0, verbose=False)
     entry = getattr(zoo_models, name)(**sizes)
     module = LitHF(entry.model)
@@ -39,14 +39,14 @@ def _fit(name: str, sizes: dict, **callback):
     callbacks = [peaks]
     cb = None
     if callback:
-        cb = ActivationCheckpointing(target_batch_size=BATCH, blocks=_chain(entry), cost_metric="flops", verbose=False,
-                                     report=False, measure_peak=True, **callback)
+        settings = {"blocks": _chain(entry), "cost_metric": "flops", **callback}
+        cb = ActivationCheckpointing(target_batch_size=BATCH, verbose=False, report=False, **settings)
         callbacks.insert(0, cb)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(module, train_dataloaders=_loader(entry))
+        trainer.fit(module, train_dataloaders=_loader(entry, steps))
     told = [str(w.message) for w in caught if issubclass(w.category, ModelCompatWarning) or "use_cache" in str(w.message)]
     return entry, module, cb, peaks.peaks, told
 
@@ -80,6 +80,22 @@ def test_default_config_trains_within_the_budget_without_growth(name, form):
     assert abs(plan.predicted_peak_bytes - max(steady)) <= 0.03 * max(steady), (plan.predicted_peak_bytes, peaks)
     assert entry.model.config.use_cache is True  # put back after fit
     assert sum("use_cache=False" in m for m in told) == 1, told  # said once
+
+
+def test_gpt_neox_whose_config_is_no_decoder_has_its_cache_off_and_stays_within_the_budget_at_defaults():
+    """GPT-NeoX's config says `is_decoder=False` with `use_cache=True`: its forward fills a cache all the same,
+    which every recompute would extend. At the callback's defaults (the chain found, cost in time) every step is
+    within the budget by the tests' own tracker, and the losses are those of the run without the callback."""
+    sizes, steps = {"layers": 3}, 4
+    budget = _budget("gpt_neox", 0.5, sizes)
+    _, plain_module, _, _, _ = _fit("gpt_neox", sizes, steps)
+    entry, module, cb, peaks, told = _fit("gpt_neox", sizes, steps, memory_budget=budget, blocks=None, cost_metric="time")
+    assert entry.model.config.is_decoder is False and entry.model.config.use_cache is True  # put back after fit
+    assert cb.block_names[0].startswith("model.gpt_neox.layers") and cb.plan.segments, (cb.block_names, cb.plan)
+    assert len(module.losses) == steps and all(torch.equal(a, b) for a, b in zip(module.losses, plain_module.losses))
+    assert max(peaks) <= budget, (peaks, budget)
+    assert max(peaks[1:]) == min(peaks[1:]), f"the step's peak grew: {peaks}"
+    assert sum("use_cache=False" in m for m in told) == 1, told
 
 
 def test_hf_gradient_checkpointing_enabled_beforehand_is_ours_for_the_fit_and_restored():

@@ -120,10 +120,19 @@ def test_prepared_models_train_bit_identical_to_unplanned_without_growth(name):
     assert _use_cache(entry.model) == before
 
 
-def test_encoders_keep_their_config():
-    entry = _build(ZOO["bert"])
+@pytest.mark.parametrize("name", ["bert", "gpt_neox"])
+def test_use_cache_is_off_for_the_fit_whatever_is_decoder_says(name):
+    """GPT-NeoX's config says `is_decoder=False` and its forward fills a cache all the same; BERT's says the
+    same and ignores the flag: both have `use_cache` off for the fit, said once, and back after."""
+    from zoo_models import gpt_neox
+
+    entry = _build({"bert": ZOO["bert"], "gpt_neox": gpt_neox}[name])
+    assert entry.model.config.is_decoder is False and entry.model.config.use_cache is True
     prepared, caught = _quiet_prepare(entry.model)
-    assert caught == [] and prepared.use_cache_off == () and entry.model.config.use_cache is True
+    assert len(caught) == 1 and "use_cache=False" in str(caught[0].message)
+    assert prepared.use_cache_off and entry.model.config.use_cache is False
+    prepared.restore()
+    assert entry.model.config.use_cache is True
 
 
 def _flags(model: nn.Module) -> list[tuple[str, bool, object]]:

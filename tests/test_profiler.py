@@ -345,7 +345,7 @@ def test_sharded_blocks_run_the_same_passes_whatever_their_bytes(monkeypatch, sh
     from lightning_ckpt.costs.block_costs import BlockCost, StepCost
     from lightning_ckpt.costs.machine_rates import MachineRates
 
-    def fake_probe(model, blocks, step_fn, batch, names=None, timing=True):
+    def fake_probe(model, blocks, step_fn, batch, names=None, timing=True, room_bytes=None):
         b = batch_size_of(batch)
         calls.append((b, timing))
         block = BlockCost("b0", saved_bytes=1000 * b, input_bytes=10 * b, bwd_transient_bytes=300 if b == 1 else 200 * b)

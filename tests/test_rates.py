@@ -120,6 +120,20 @@ def test_measuring_leaves_the_global_rng_alone():
     assert rates.flop_per_s > 0 and rates.op_call_s >= 0
 
 
+def test_kernels_shrink_to_the_bytes_profiling_leaves_them_and_are_kept_apart(monkeypatch, tmp_path):
+    cpu, f32 = torch.device("cpu"), torch.float32
+    full = rates_module.rates_sizes(cpu, f32, f32, None)
+    assert full == (512, 2**18) and rates_module.rates_bytes(full, f32, f32) == 7 * 2**20  # 2 matrices, 5 vectors
+    small = rates_module.rates_sizes(cpu, f32, f32, 2**20)
+    assert small[0] < full[0] and small[1] < full[1] and rates_module.rates_bytes(small, f32, f32) <= 2**20
+    asked = []
+    monkeypatch.setattr(rates_module, "measure_rates", lambda *a, **kw: asked.append(kw.get("sizes")) or MachineRates(1e9, 1e9, 1e9))
+    monkeypatch.setenv("LIGHTNING_CKPT_CACHE_DIR", str(tmp_path))
+    for max_bytes in (2**20, None, 2**20, 2**30):
+        rates_module.kept_rates("cpu", max_bytes=max_bytes)
+    assert asked == [small, None]  # each kept under its own key; room for the full kernels measures them whole
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rates_are_measured_in_the_dtypes_asked(dtype):
     rates = measure_rates(flop_dtype=dtype, mem_dtype=dtype, repeats=1)
@@ -157,15 +171,18 @@ def test_each_rate_is_the_median_of_interleaved_rounds(monkeypatch):
 
 
 def test_one_thread_on_a_cpu_is_timed_by_its_cpu_time():
+    """Which clock is chosen (the function itself): nothing is timed here."""
+    cpu_clock, wall_clock = time.thread_time, time.perf_counter
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert rates_module.step_clock(torch.device("cpu")) is time.thread_time
+        one_thread = rates_module.step_clock(torch.device("cpu"))
         torch.set_num_threads(2)
-        assert rates_module.step_clock(torch.device("cpu")) is time.perf_counter
+        two_threads = rates_module.step_clock(torch.device("cpu"))
     finally:
         torch.set_num_threads(threads)
-    assert rates_module.step_clock(torch.device("meta")) is time.perf_counter
+    other_device = rates_module.step_clock(torch.device("meta"))
+    assert (one_thread, two_threads, other_device) == (cpu_clock, wall_clock, wall_clock)
 
 
 @pytest.mark.parametrize("field", ["flop_per_s", "mem_byte_per_s", "rng_byte_per_s"])

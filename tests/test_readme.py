@@ -34,7 +34,7 @@ def test_every_callback_argument_is_in_the_signature_and_the_table():
 
 def test_the_two_commands_are_there():
     text = _text()
-    assert '    python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e ".[test]" -c .ci/constraints.txt && OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q\n' in text
+    assert '    python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e ".[test]" -c .ci/constraints.txt && OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n 2 --dist loadfile\n' in text
     assert "examples/train_encoder.py fit --config configs/encoder48.yaml" in text
 
 

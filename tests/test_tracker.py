@@ -48,3 +48,37 @@ def test_wrapper_subclass_counts_its_local_tensor():
     tracker = LiveBytesTracker()
     tracker.adopt([wrapped, local])
     assert tracker.live_bytes == 128
+
+
+def test_the_step_tracker_counts_a_training_step_as_the_general_tracker_does():
+    """Read by op schema only (views and in-place results skipped, inputs never read), a whole AdamW step of
+    a chain with the model's state adopted peaks where the general tracker peaks, through every step; a view
+    or an in-place op makes nothing new."""
+    from models import TinyChain, tokens_batch
+
+    from lightning_ckpt.profiling.step_peak import state_tensors
+    from lightning_ckpt.profiling.tracker import StepBytesTracker
+
+    torch.manual_seed(0)
+    model = TinyChain(n_blocks=3, d=16)
+    opt = torch.optim.AdamW(model.parameters())
+    tokens, labels = tokens_batch(4, 12)
+    peaks = []
+    for kind in (LiveBytesTracker, StepBytesTracker) * 2:  # the first step makes AdamW's state
+        with kind() as tracker:
+            tracker.adopt(state_tensors(model, opt) + [tokens, labels])
+            tracker.reset_peak()
+            loss = torch.nn.functional.cross_entropy(model(tokens), labels)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        peaks.append(tracker.peak_bytes)
+    assert peaks[2] == peaks[3] and peaks[0] < peaks[1] == peaks[2]
+    x = torch.ones(256)
+    with StepBytesTracker() as tracker:
+        tracker.adopt([x])
+        x.view(16, 16).t().add_(1)
+        x.mul_(2).clamp_(max=5)
+        assert tracker.live_bytes == 1024
+        y = x * 2
+        assert tracker.live_bytes == 2048 and y.untyped_storage().nbytes() == 1024

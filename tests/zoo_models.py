@@ -1,7 +1,7 @@
 """Models written outside this project, built from tiny configs (random weights, no downloads), each
-with the chain to plan over, a batch maker and a loss: HF T5, BERT, a peft-LoRA Llama and ViT, a
-diffusers UNet2DModel and a MONAI ResNet. Every library default is kept unless a size is set here
-(T5 and Llama keep `use_cache=True`, as their configs ship). `ZOO` names a builder per model.
+with the chain to plan over, a batch maker and a loss: HF T5, BERT, GPT-NeoX, a peft-LoRA Llama and ViT,
+a diffusers UNet2DModel and a MONAI ResNet. Every library default is kept unless a size is set here
+(T5, Llama and GPT-NeoX keep `use_cache=True`, as their configs ship). `ZOO` names a builder per model.
 
     entry = ZOO["t5"]()
     names, blocks = entry.blocks()
@@ -95,6 +95,17 @@ def llama(layers: int = 4, hidden: int = 32, seq: int = 16, **config) -> ZooMode
         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256, attn_implementation="eager", **config,
     )
     return ZooModel("llama", LlamaForCausalLM(cfg), "model.layers", _causal_batch(seq), _hf_loss)
+
+
+def gpt_neox(layers: int = 4, hidden: int = 32, seq: int = 16, **config) -> ZooModel:
+    """`GPTNeoXForCausalLM` as its config ships: `use_cache=True` with `is_decoder=False`."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    cfg = GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=2, max_position_embeddings=256, attn_implementation="eager", **config,
+    )
+    return ZooModel("gpt_neox", GPTNeoXForCausalLM(cfg), "gpt_neox.layers", _causal_batch(seq), _hf_loss)
 
 
 def lora_llama(

@@ -71,7 +71,7 @@ def explain_checkpoint_error(err: BaseException, model: nn.Module | None = None)
         cached = [w for w, cfg in (hf_configs(model) if model is not None else []) if fills_cache(cfg)]
         if cached:
             causes.append(
-                f"use_cache=True in {configs_phrase(cached)}: the forward fills a key/value cache that the recompute "
+                f"use_cache=True in {configs_phrase(cached)}: the forward may fill a key/value cache that the recompute "
                 "extends again; fix: call lightning_ckpt.prepare_model(model) before training (it turns "
                 "use_cache off for the fit), or set config.use_cache = False"
             )

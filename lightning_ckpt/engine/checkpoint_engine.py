@@ -9,116 +9,36 @@ theirs (where batches come from, what a step is, how to log); the engine owns th
   the elementwise-largest;
 - the applied plan, switched when the shape changes (hooks only, kept when the regions are the same).
 
-A front end hands it a `StepDriver`: one step's profile on slices of a batch, the static memory,
+A front end hands it a `StepDriver` (`engine.engine_inputs`): one step's profile on slices of a batch, the static memory,
 the collectives and the messages. Nothing here imports Lightning.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from lightning_ckpt.apply.segments import AppliedPlan
+from lightning_ckpt.engine.engine_inputs import EngineSettings, StepDriver, allowed_python_state, block_signature
 from lightning_ckpt.engine.rank_zero import plan_on_rank_zero
 from lightning_ckpt.apply.recompute_errors import explain_checkpoint_error
+from lightning_ckpt.engine.measured_steps import MeasuredStep, Reserves, judge_step
 from lightning_ckpt.engine.model_prep import Prepared, prepare_model
-from lightning_ckpt.engine.target_plan import PlanRequest, plan_for_max, plan_for_target
+from lightning_ckpt.engine.target_plan import plan_for_max, plan_for_target
 from lightning_ckpt.costs.block_costs import StepCost
 from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.planning.policies import InfeasibleBudgetError, python_state_note
 from lightning_ckpt.profiling.applied_marks import refuse_marked
+from lightning_ckpt.profiling.profile_budget import ProfileBudget, ProfileBudgetError, batch_bytes
 from lightning_ckpt.profiling.shapes import BatchShape, shape_of
 from lightning_ckpt.profiling.static_memory import StaticMemory
 from lightning_ckpt.engine.shape_plans import CostSource, ShapeDecision, ShapePlans, largest_shape, same_regions
 from lightning_ckpt.engine.shape_plans import describe as describe_decision
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """How to plan: the per-device budget, the policy and the profiling sizes (the callback's arguments)."""
-
-    budget_bytes: int
-    policy: str = "optimal"
-    every_k: int | None = None
-    cost_metric: str = "time"
-    granularity: str = "block"
-    max_levels: int = 2
-    probe_batch_sizes: tuple[int, int] = (1, 2)
-    check_batch_size: int | None = 4
-    guard_batchnorm: bool = True
-    batch_multiple: int = 1
-    keep_hf_checkpointing: bool = False  # leave a model's own (HF) activation checkpointing in charge
-    # let blocks whose forward writes Python state be checkpointed: True (all) or their names
-    allow_python_state: bool | tuple[str, ...] = False
-
-    def request(self) -> PlanRequest:
-        return PlanRequest(
-            self.budget_bytes, self.policy, self.every_k, self.cost_metric, self.granularity, self.max_levels
-        )
-
-
-class StepDriver(Protocol):
-    """What a front end gives the engine."""
-
-    rank: int
-    grads_accumulate: bool  # gradients from an earlier micro-batch are alive in the step
-
-    def profile(
-        self, batch: Any, blocks: list[torch.nn.Module], names: list[str], *, batch_idx: int,
-        probes: tuple[int, int], check: int | None, rates: MachineRates | None, calibrate_keeps: bool,
-        time_blocks: bool = True,
-    ) -> Profile:
-        """One profile of the step on slices of `batch`, every state put back (`time_blocks`: each
-        block's forward timed too)."""
-
-    def static_memory(self) -> StaticMemory: ...
-
-    def broadcast(self, obj: Any) -> Any:
-        """Rank 0's `obj` on every rank (the object itself on one process)."""
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        """Every rank's `obj` in rank order (`[obj]` on one process)."""
-
-    def apply(self, blocks: list[torch.nn.Module], names: list[str], plan: Plan, guard_batchnorm: bool) -> AppliedPlan: ...
-
-    def info(self, message: str) -> None: ...
-
-    def warn(self, message: str) -> None: ...
-
-
-def allowed_python_state(profile: Profile, allow: bool | Sequence[str], names: Sequence[str]) -> Profile:
-    """`profile` with the Python state writes of the blocks in `allow` (True: every block) forgotten
-    (`BlockCost.unreplayable`), so that planning may checkpoint them: the user says the writes are
-    harmless when a recompute repeats them."""
-    if allow is False or not allow:
-        return profile
-    unknown = [] if allow is True else sorted(set(allow) - set(names))
-    if unknown:
-        raise ValueError(
-            f"allow_python_state names {unknown}, which are not blocks of this model; the blocks are "
-            f"{list(names)}. Give block names from that list, or True for every block."
-        )
-    allowed = set(names) if allow is True else set(allow)
-
-    def forget(cost: StepCost) -> StepCost:
-        blocks = tuple(dataclasses.replace(b, unreplayable=()) if b.name in allowed else b for b in cost.blocks)
-        return dataclasses.replace(cost, blocks=blocks)
-
-    return dataclasses.replace(
-        profile, probes=tuple(forget(p) for p in profile.probes),
-        check=None if profile.check is None else forget(profile.check),
-    )
-
-
-def block_signature(names: Sequence[str], blocks: Sequence[torch.nn.Module]) -> list[list[Any]]:
-    """[name, parameter shapes] of every block: what a plan's segments refer to."""
-    return [[name, [list(p.shape) for p in blk.parameters()]] for name, blk in zip(names, blocks)]
 
 
 class CheckpointEngine:
@@ -133,7 +53,8 @@ class CheckpointEngine:
         self.shape: BatchShape | None = None  # the shape the applied plan was made for
         self.profiled_steps = 0  # real batches profiled
         self.signature: list | None = None
-        self.resume_with: Callable[[], Any] | None = None  # once, before the first plan: a resumed plan or None
+        # once, before the first plan: (shape, rank 0's static memory, grads_accumulate) -> a checkpoint's `ResumedPlan`
+        self.resume_with: Callable[[BatchShape, Callable[[], StaticMemory], bool], Any] | None = None
         self._shapes: ShapePlans | None = None
         self._prepared: Prepared | None = None  # what `engine.model_prep.prepare_model` changed for this fit
         self._told: set[str] = set()  # the model's hazards already said (each once per engine)
@@ -142,9 +63,11 @@ class CheckpointEngine:
         self._costs: dict[BatchShape, StepCost] = {}
         self._cost: StepCost | None = None
         self._rates: MachineRates | None = None
-        self._resumed: Plan | None = None
         self._find_max = False
         self._batch_idx = 0
+        self.reserves = Reserves()  # budget held back per shape for memory a measured step showed (`measured`)
+        self._held_batch_bytes = 0  # the batch whose prefixes are profiled (`_profile_budget`)
+        self._accumulating: bool | None = None  # the driver's `grads_accumulate` the cached plans were made under
 
     # ------------------------------------------------------------------ binding and state
 
@@ -181,6 +104,11 @@ class CheckpointEngine:
             self._prepared.restore()
             self._prepared = None
 
+    def measured(self, peak_bytes: int, what: str = "measured") -> MeasuredStep:
+        """The step just run under the applied plan peaked at `peak_bytes` here (collective: every rank calls it);
+        over the budget, its shape is planned again now with the excess held in reserve (`engine.measured_steps`)."""
+        return judge_step(self, peak_bytes, what)
+
     def explain(self, err: BaseException, model: torch.nn.Module | None = None) -> BaseException:
         """`err` made clear when it came from a recompute that did not repeat its forward (else `err`)."""
         return explain_checkpoint_error(err, model) if self.applied else err
@@ -198,6 +126,12 @@ class CheckpointEngine:
     def plans(self) -> dict[BatchShape, Plan]:
         """The plan made for every batch shape since `bind`."""
         return {} if self._shapes is None else {d.shape: d.plan for d in self._shapes.plans.values()}
+
+    @property
+    def profile_shape(self) -> BatchShape | None:
+        """The batch shape `profile` was made at (None without one)."""
+        families = [] if self._shapes is None else self._shapes.families.values()
+        return next((s for f in families for s, p, _ in f.profiles.values() if p is self.profile), None)
 
     @property
     def profile_runs(self) -> int:
@@ -239,6 +173,7 @@ class CheckpointEngine:
 
         Collective on several ranks: every rank calls it at every step (the shapes are gathered)."""
         self._require_bound()
+        self._follow_accumulation()
         shapes = self.driver.all_gather(shape_of(batch))  # every rank's, so that all decide alike
         shape = shapes[0] if len(set(shapes)) == 1 else largest_shape(shapes)
         if self._in_place(shape):
@@ -260,6 +195,7 @@ class CheckpointEngine:
         """Make the plan for `shape` the applied one, from what was profiled (no batch needed: a
         profiled shape at another batch size); None when it already is."""
         self._require_bound()
+        self._follow_accumulation()
         if self._in_place(shape):
             return None
         hit = self._shapes.cached(shape)
@@ -276,6 +212,21 @@ class CheckpointEngine:
         checkpointing stays in charge)."""
         kept_off = self._prepared is not None and not self._prepared.may_apply
         return shape == self.shape and self.plan is not None and (self._applied is not None or kept_off)
+
+    def _follow_accumulation(self) -> None:
+        """Plans count earlier micro-batches' gradients only when made with them (`StepCost.grads_accumulate`):
+        when the driver's setting changes in the fit (Lightning's `GradientAccumulationScheduler`), the plans
+        are dropped, said once, and each shape is planned again from its profile when its batch comes."""
+        now, before = bool(self.driver.grads_accumulate), self._accumulating
+        self._accumulating = now
+        if before is not None and before != now and self._shapes.plans:
+            n, self.shape = len(self._shapes.plans), None  # the applied plan stays until the new one replaces it
+            self._shapes.forget_plans()
+            self.driver.info(
+                f"lightning-ckpt: gradient accumulation turned {'on' if now else 'off'} (accumulate_grad_batches "
+                f"{'> 1' if now else '= 1'}): the {n} plan(s) made {'without' if now else 'with'} the gradients of "
+                "earlier micro-batches alive in each step are dropped; each batch shape is planned again."
+            )
 
     def _require_bound(self) -> None:
         if self._shapes is None:
@@ -302,14 +253,20 @@ class CheckpointEngine:
         self._batch_idx = batch_idx
         self.remove()  # profiling runs the model as it is without a plan
 
+        def rank_zero_static() -> StaticMemory:  # every rank checks a resumed plan alike: against rank 0's
+            if self.driver.rank == 0 and self._static is None:
+                self._static = self.driver.static_memory()
+            return self.driver.broadcast(self._static if self.driver.rank == 0 else None)
+
         def resumed_or_planned() -> Plan | None:
             resume, self.resume_with = self.resume_with, None
-            resumed = None if resume is None else resume()
-            if resumed is not None and resumed.profile is not None:
-                self._shapes.add_profile(shape, resumed.profile)
+            resumed = None if resume is None else resume(shape, rank_zero_static, self.driver.grads_accumulate)
+            if resumed is not None and resumed.profile is not None:  # registered at the shape it was made at
+                self._shapes.add_profile(resumed.profile_shape, resumed.profile)
                 self.profile = resumed.profile
+            if resumed is not None and resumed.plan is not None:  # checked for this very shape: no profile
                 self._costs[shape] = resumed.cost
-                self._resumed = resumed.plan
+                return resumed.plan
             return self._shapes.plan_for(batch, shape).plan
 
         plan = plan_on_rank_zero(resumed_or_planned, self.driver.broadcast, self.driver.rank)
@@ -343,12 +300,16 @@ class CheckpointEngine:
         prefix of it at a shorter length)."""
         s = self.settings
         refuse_marked(self.blocks, self.block_names, "profile the blocks")  # another plan runs on them
-        profile = self.driver.profile(
-            batch, self.blocks, self.block_names, batch_idx=self._batch_idx, probes=s.probe_batch_sizes,
-            check=s.check_batch_size, rates=self._rates,
-            calibrate_keeps=own and self._rates is None and s.granularity == "op" and s.cost_metric == "time",
-            time_blocks=s.cost_metric == "ms",  # only that metric reads the blocks' measured forward times
-        )
+        try:
+            profile = self.driver.profile(
+                batch, self.blocks, self.block_names, batch_idx=self._batch_idx, probes=s.probe_batch_sizes,
+                check=s.check_batch_size, rates=self._rates,
+                calibrate_keeps=own and self._rates is None and s.granularity == "op" and s.cost_metric == "time",
+                time_blocks=s.cost_metric == "ms",  # only that metric reads the blocks' measured forward times
+                budget=self._profile_budget(batch, own),
+            )
+        except ProfileBudgetError as err:  # no profile fits: as a plan that cannot (the same error on every rank)
+            raise InfeasibleBudgetError(f"the training batch of shape ({shape_of(batch).describe()}): {err}") from None
         profile = allowed_python_state(profile, s.allow_python_state, self.block_names)
         self.profiled_steps += own
         if self._rates is None:
@@ -357,16 +318,22 @@ class CheckpointEngine:
             self.profile = profile
         return profile
 
+    def _profile_budget(self, batch: Any, own: bool) -> ProfileBudget:
+        """Profiling's room (`profiling.profile_budget`): the budget less the static memory (optimizer state
+        once it exists) and, beside a prefix of the step's batch, that batch."""
+        self._static = self._static or self.driver.static_memory()
+        self._held_batch_bytes = batch_bytes(batch) if own else self._held_batch_bytes
+        state = getattr(self.driver, "optimizer_state_exists", lambda: True)()  # none before the first step
+        held = (0 if own else self._held_batch_bytes) - (0 if state else self._static.optimizer_state_bytes)
+        return ProfileBudget(self.settings.budget_bytes, self._static.resident_bytes + held, info=self.driver.info)
+
     def _plan_shape(self, cost_of: Callable[..., StepCost], shape: BatchShape) -> Plan | None:
         """Rank 0's plan at `shape` from `cost_of` (None on the other ranks, which take rank 0's)."""
         if self.driver.rank != 0:
             return None
-        if self._resumed is not None:  # a checkpoint's plan, for the shape it was made at
-            plan, self._resumed = self._resumed, None
-            return plan
         if self._static is None:
             self._static = self.driver.static_memory()
-        request = self.settings.request()
+        request = self.reserves.request(self.settings.request(), shape)
         costs = CostSource(cost_of, grads_accumulate=self.driver.grads_accumulate)
         if self._find_max:
             multiple = self.settings.batch_multiple

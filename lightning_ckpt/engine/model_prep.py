@@ -5,8 +5,8 @@
     prepared.restore()       # when the fit ends (or `with prepare_model(model) as prepared:`)
 
 `prepare_model` sets `use_cache=False` in every HF config of the tree (`module.config`, through peft's
-wrappers, sub-configs) of a model that fills a key/value cache (decoders, encoder-decoders; BERT-style
-encoders never do): the cache grows on every call, so a recompute sees other shapes (torch's "different
+wrappers, sub-configs) that has `use_cache=True`, whatever its `is_decoder` says (GPT-NeoX's is False and
+its forward fills a cache; an encoder that ignores the flag loses nothing): the cache grows on every call, so a recompute sees other shapes (torch's "different
 number of tensors" error, or a shape error) and the cache keeps each step's keys and values alive. It
 turns HF's (and diffusers') own activation checkpointing off through the model's disable method; `restore`
 puts back each module's flag and checkpoint function (so the kwargs, `every_n_layers` and offloading
@@ -131,7 +131,7 @@ def prepare_model(
     if cached:
         messages.append(
             f"lightning-ckpt: set use_cache=False for training in {configs_phrase([w for w, _ in cached])}: with "
-            "use_cache=True the forward fills a key/value cache that every call extends, so the recompute of a "
+            "use_cache=True the forward may fill a key/value cache that every call extends, so the recompute of a "
             "checkpointed block sees longer keys than its forward did (torch's 'different number of tensors was saved' "
             "CheckpointError or a shape error in backward) and the cache keeps each step's keys and values alive. HF's "
             "own gradient checkpointing turns it off for the same reason. It is set back to True when the fit ends."

@@ -191,6 +191,10 @@ class ShapePlans:
         """Drop the cached plans (a new budget, static memory or setting), keep the profiles."""
         self.plans.clear()
 
+    def forget(self, shape: BatchShape) -> ShapeDecision | None:
+        """Drop the cached plan of `shape` (its budget changed), keep the profiles; -> what was cached."""
+        return self.plans.pop((sample_key(shape), shape.batch_size), None)
+
     def add_profile(self, shape: BatchShape, profile: Profile) -> None:
         """Register a profile made elsewhere (a resumed run's) at `shape`."""
         family = self.families.setdefault(layout_key(shape), ShapeFamily())

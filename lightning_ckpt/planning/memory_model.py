@@ -93,7 +93,9 @@ def gradients_after(cost: StepCost) -> list[int]:
     """Per block, the parameter gradients that exist during its backward: those the head's
     backward made (it runs first), those of every later block and of the modules outside
     the chain after it (`gap_grad_bytes`); all of them when the step accumulates into
-    gradients earlier micro-batches made."""
+    gradients earlier micro-batches made. The new gradient autograd holds while it adds it
+    into `.grad` is in the block's `bwd_transient_bytes` (profiled with `.grad` unset, where it
+    stays), so accumulating adds no term beside these."""
     if cost.grads_accumulate:
         return [cost.grad_bytes] * cost.n_blocks
     after = [0] * cost.n_blocks

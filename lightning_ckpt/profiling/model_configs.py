@@ -46,11 +46,10 @@ def hf_configs(model: nn.Module) -> list[tuple[str, Any]]:
 
 
 def fills_cache(cfg: Any) -> bool:
-    """`use_cache=True` in a config whose forward fills a key/value cache: an encoder-decoder, a decoder,
-    or a decoder-only family (no `is_decoder` switch). BERT-style encoders (`is_decoder=False`) never do."""
-    if getattr(cfg, "use_cache", None) is not True:
-        return False
-    return bool(getattr(cfg, "is_encoder_decoder", False)) or getattr(cfg, "is_decoder", None) in (True, None)
+    """`use_cache=True` in the config: its forward may fill a key/value cache. `is_decoder` does not say
+    whether it does (GPT-NeoX's config has `is_decoder=False` and its forward fills one), so any config
+    that asks for a cache counts; one whose forward ignores the flag (a BERT-style encoder) loses nothing."""
+    return getattr(cfg, "use_cache", None) is True
 
 
 def configs_phrase(names: list[str]) -> str:

@@ -10,7 +10,8 @@ what keeping it would hold (`op_profile`). A ledger of every storage's life
 (`lifetimes`) splits what stays between neighbouring blocks from what is carried
 further (skips, what modules outside the chain save) and measures the modules
 between blocks. Parameters, buffers, gradients and RNG state are restored after every probe. `measure_profile` also measures the
-machine's rates once (`rates`), so that counted work can be turned into time.
+machine's rates once (`rates`), so that counted work can be turned into time. Given a memory
+budget, it holds every probe to it (`profile_budget`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from lightning_ckpt.profiling.lifetimes import StorageLedger
 from lightning_ckpt.profiling.op_profile import OpProfileRecorder
 from lightning_ckpt.profiling.probe_counters import ProbeCounters
 from lightning_ckpt.profiling.probe_hooks import Probe
+from lightning_ckpt.profiling.profile_budget import NoRoom, ProfileBudget, SliceRoom, check_within, optional_pass, probe_within
+from lightning_ckpt.profiling.profile_budget import AT_LIMIT, released, smaller_probes
 from lightning_ckpt.profiling.state import preserved_state
 from lightning_ckpt.profiling.written_state import WrittenStateWatch
 from lightning_ckpt.profiling.tracker import storage_key, unique_storage_bytes
@@ -55,8 +58,11 @@ def probe_step(
     batch: Any,
     names: Sequence[str] | None = None,
     timing: bool = True,
+    room_bytes: int | None = None,
 ) -> StepCost:
-    """Measure one forward+backward of `step_fn(batch)`; leaves all state as found."""
+    """Measure one forward+backward of `step_fn(batch)`; leaves all state as found. With `room_bytes`,
+    the pass (the batch included) is stopped by `LiveBytesOverLimit` once it holds more
+    (`profile_budget`); `meta["pass_bytes"]` is the most it held."""
     blocks = list(blocks)
     names = list(names) if names is not None else [f"block{i}" for i in range(len(blocks))]
     batch_n = batch_size_of(batch)
@@ -69,6 +75,8 @@ def probe_step(
     outside.pop(None, None)
     with preserved_state(model):
         tracker = flops = work = ProbeCounters(ledger=StorageLedger())  # live bytes, FLOPs and work: one mode
+        batch_bytes = unique_storage_bytes(batch_tensors)
+        tracker.limit_bytes = None if room_bytes is None else room_bytes - batch_bytes
         tracker.ledger.param_last = dict.fromkeys(outside)
         probe = Probe(model, blocks, tracker, flops, names, work, batch_keys, OpProfileRecorder())
         handles = _watch_python_state(blocks, watch := PythonStateWatch(len(blocks)))
@@ -101,6 +109,7 @@ def probe_step(
                 h.remove()
         fwd_ms = _time_blocks(model, blocks, step_fn, batch) if timing else [0.0] * len(blocks)
         ckpt_peaks = _nosave_forward_peaks(blocks, step_fn, batch)
+        pass_bytes = batch_bytes + tracker.max_live_bytes
         terms, gaps, late = probe.account_carried(model, forward_end, backward_end, ckpt_peaks, outside)
         probe.hold_in_head(terms.carried, forward_end)
 
@@ -147,11 +156,11 @@ def probe_step(
         batch_size=batch_n,
         outside_grad_bytes=max(0, outside_grad),
         pre_saved_bytes=probe.pre_bytes,
-        batch_bytes=unique_storage_bytes(batch_tensors),
+        batch_bytes=batch_bytes,
         post_saved_bytes=probe.post_peak,
         post_forward_bytes=probe.post_fwd_peak,
         carried_end_bytes=terms.end,
-        meta={"step_fwd_flops": int(step_fwd_flops), "work": work.dominant()},
+        meta={"step_fwd_flops": int(step_fwd_flops), "work": work.dominant(), "pass_bytes": pass_bytes},
     )
 
 
@@ -199,8 +208,16 @@ def measure_profile(
     timing: bool = True,
     rates: MachineRates | None = None,
     time_blocks: bool = True,
+    budget: ProfileBudget | None = None,
 ) -> Profile:
     """Probe at two small slices of `batch` (and check on a third) -> `Profile`.
+
+    With `budget`, every pass fits it (`profile_budget`): a check or refit slice predicted not to
+    fit is shrunk to the largest that is, or left out (one line says so); a pass that reaches the
+    room left to it, or runs out of CUDA memory, is stopped, the state put back, and the profile goes
+    on without it (smaller probes when it was a probe, with a warning). When even the smallest probes
+    do not fit, they are profiled over the budget with a warning that says what they held, and a
+    device out of memory there is a `ProfileBudgetError`.
 
     When the line through the two probes misses the check slice, the smallest probe is left out
     (`linear_fit.refit_without_smallest`): the probe and the check define the line, and a slice of
@@ -233,24 +250,30 @@ def measure_profile(
     # the probes and no larger check is added.
     fixed = sharded_world_size(blocks) > 1
     timed = timing and time_blocks
+    # sharded blocks: no rank's bytes may decide which passes run (see above), so no budget decides them
+    room = None if budget is None or fixed else budget.room_for(model, batch)
     probes, probe_batch_sizes, check_batch_size = _first_probes(
-        model, blocks, step_fn, batch, tuple(probe_batch_sizes), check_batch_size, names, timed
+        model, blocks, step_fn, batch, tuple(probe_batch_sizes), check_batch_size, names, timed, room
     )
     check = None
     if check_batch_size is not None and check_batch_size not in probe_batch_sizes:
-        check = probe_step(model, blocks, step_fn, slice_batch(batch, check_batch_size), names, timing=timed and fixed)
+        size = check_within(room, max(probe_batch_sizes), check_batch_size)
+        check = optional_pass(room, size, "check slice", _pass(model, blocks, step_fn, batch, size, names, timed and fixed))
     fitted = refit_without_smallest(Profile(probes=probes, check=check))  # type: ignore[arg-type]
-    size = check_batch_size
+    size = None if check is None else check.batch_size
     for _ in range(0 if fixed else MAX_REFITS):
         if fitted.probes[0] is probes[0] or fitted.check is not None:
             break
         # [constraint] the smallest slice is off the line: the two larger ones define it, and a slice
-        # twice the check, when the batch has one, checks it again (`Profile.fit_note` says so)
+        # twice the check, when the batch has one, checks it again (`Profile.fit_note` says so); with a
+        # budget, the largest slice up to that which fits it
         probes, check = fitted.probes, None
         if 2 * size > n:
             break
-        size *= 2
-        check = probe_step(model, blocks, step_fn, slice_batch(batch, size), names, timing=False)
+        size = 2 * size if room is None else room.largest_fitting(size, 2 * size)
+        check = optional_pass(room, size, "refit check slice", _pass(model, blocks, step_fn, batch, size, names, False))
+        if check is None:
+            break
         fitted = refit_without_smallest(Profile(probes=probes, check=check))  # type: ignore[arg-type]
     probes, check = fitted.probes, fitted.check
     if timed and not fixed:  # check slices promoted by the refit were profiled untimed: timed now
@@ -258,7 +281,7 @@ def measure_profile(
     if rates is None and timing:
         from lightning_ckpt.profiling.rates import kept_rates
 
-        rates = kept_rates(**probes[-1].meta["work"])
+        rates = kept_rates(**probes[-1].meta["work"], max_bytes=None if room is None else room.usable_bytes)
     if rates is not None:
         probes = tuple(_with_rates(p, rates) for p in probes)
         check = None if check is None else _with_rates(check, rates)
@@ -272,14 +295,35 @@ BATCHNORM_ONE_SAMPLE = "Expected more than 1 value per channel when training"
 
 def _first_probes(
     model: nn.Module, blocks: Sequence[nn.Module], step_fn: StepFn, batch: Any, sizes: tuple[int, int],
-    check: int | None, names: Sequence[str] | None, timed: bool,
+    check: int | None, names: Sequence[str] | None, timed: bool, room: SliceRoom | None = None, least: int = 1,
 ) -> tuple[tuple[StepCost, StepCost], tuple[int, int], int | None]:
     """The probes at `sizes` -> (probes, sizes, check). When the smallest is one sample and a BatchNorm
     refuses it (pooled (batch, channels) features have one value per channel), the sizes and the check
     are doubled, (1, 2) and 4 becoming (2, 4) and 8, with a warning that says so; a batch too small
-    for that is refused with the sizes to set."""
+    for that is refused with the sizes to set. With `room`, a probe stopped at its limit or out of CUDA
+    memory gives way to probes half as large (at least `least`), with a warning; when they cannot be
+    smaller, they run over the budget, with a warning that says what they held (out of device memory
+    there: `ProfileBudgetError`)."""
     try:
-        probes = tuple(probe_step(model, blocks, step_fn, slice_batch(batch, s), names, timed) for s in sizes)
+        probes = tuple(probe_within(room, s, _pass(model, blocks, step_fn, batch, s, names, timed)) for s in sizes)
+    except NoRoom as short:
+        released()
+        assert room is not None
+        smaller = smaller_probes(sizes, least)
+        if smaller is None and short.reason != AT_LIMIT:  # the device itself is out of memory
+            raise room.refusal(short.size, short.reason) from None
+        if smaller is None:  # nothing smaller fits: profiled over the budget, and said so
+            over = dataclasses.replace(room, bounded=False)
+            found = _first_probes(model, blocks, step_fn, batch, sizes, check, names, timed, over, least)
+            if room.room_bytes > 0:  # (below what stays resident: planning says that nothing fits)
+                warnings.warn(room.over_budget(short.size, found[1]), stacklevel=3)
+            return found
+        warnings.warn(
+            f"lightning-ckpt: profiling on {short.size} samples was stopped ({short.reason}); the step is profiled "
+            f"at probe_batch_sizes={smaller} instead of {sizes}.",
+            stacklevel=3,
+        )
+        return _first_probes(model, blocks, step_fn, batch, smaller, check, names, timed, room, least)
     except ValueError as err:
         if 1 not in sizes or BATCHNORM_ONE_SAMPLE not in str(err):
             raise
@@ -298,8 +342,16 @@ def _first_probes(
             f"set probe_batch_sizes={shifted} to start there.",
             stacklevel=3,
         )
-        return _first_probes(model, blocks, step_fn, batch, shifted, check, names, timed)
+        return _first_probes(model, blocks, step_fn, batch, shifted, check, names, timed, room, least=2)
     return probes, sizes, check  # type: ignore[return-value]
+
+
+def _pass(
+    model: nn.Module, blocks: Sequence[nn.Module], step_fn: StepFn, batch: Any, size: int | None,
+    names: Sequence[str] | None, timing: bool,
+) -> Callable[[int | None], StepCost]:
+    """`probe_step` on the first `size` samples of `batch`, given the room it may hold (`profile_budget`)."""
+    return lambda room_bytes: probe_step(model, blocks, step_fn, slice_batch(batch, size), names, timing, room_bytes)
 
 
 def _timed(model: nn.Module, blocks: Sequence[nn.Module], step_fn: StepFn, batch: Any, probe: StepCost) -> StepCost:

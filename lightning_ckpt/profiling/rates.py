@@ -47,14 +47,42 @@ def kept_rates(
     device: str | torch.device = "cpu",
     flop_dtype: str | torch.dtype = torch.float32,
     mem_dtype: str | torch.dtype = torch.float32,
+    max_bytes: int | None = None,
 ) -> MachineRates:
     """`measure_rates` of this machine, kept between runs (`measured_cache`): measured once per
     device, dtypes, thread count and torch version, then read back (`LIGHTNING_CKPT_REMEASURE=1`
-    measures again). Each run then plans from the same rates."""
+    measures again). Each run then plans from the same rates. With `max_bytes`, the kernels are
+    made small enough to hold at most that (`rates_sizes`); rates measured smaller are kept apart."""
     device = torch.device(device)
     key = {**machine_key(device), "flop_dtype": str(_dtype(flop_dtype)), "mem_dtype": str(_dtype(mem_dtype)), "version": _VERSION}
-    value = kept("rates", key, lambda: measure_rates(device, flop_dtype, mem_dtype).to_dict(), check=check_rates_dict)
+    sizes = rates_sizes(device, flop_dtype, mem_dtype, max_bytes)
+    smaller = {} if sizes == _SIZES.get(device.type, _SIZES["default"]) else {"sizes": sizes}
+    key.update({k: list(v) for k, v in smaller.items()})
+    value = kept("rates", key, lambda: measure_rates(device, flop_dtype, mem_dtype, **smaller).to_dict(), check=check_rates_dict)
     return MachineRates.from_dict(value)
+
+
+def rates_bytes(sizes: tuple[int, int], flop_dtype: str | torch.dtype, mem_dtype: str | torch.dtype) -> int:
+    """The most `measure_rates` holds at once with kernels of `sizes` (matmul side, elements): the two
+    matrices, the three vectors and the memory-bound mix's two in flight, and one fp32 draw of each
+    kind while it is cast to another dtype."""
+    side, elements = sizes
+    flop, mem = _dtype(flop_dtype), _dtype(mem_dtype)
+    drawn = [4 if dtype != torch.float32 else 0 for dtype in (flop, mem)]  # randn's fp32 until `.to`
+    return side * side * (2 * flop.itemsize + drawn[0]) + elements * (5 * mem.itemsize + drawn[1])
+
+
+def rates_sizes(
+    device: torch.device, flop_dtype: str | torch.dtype, mem_dtype: str | torch.dtype, max_bytes: int | None
+) -> tuple[int, int]:
+    """The device's kernel sizes (`_SIZES`), scaled down when they would hold more than `max_bytes`
+    (a square side a multiple of 64, elements a multiple of a row; never below one of each)."""
+    side, elements = _SIZES.get(device.type, _SIZES["default"])
+    need = rates_bytes((side, elements), flop_dtype, mem_dtype)
+    if max_bytes is None or need <= max_bytes:
+        return side, elements
+    share = max(0.0, max_bytes / need)
+    return max(64, int(side * math.sqrt(share)) // 64 * 64), max(_ROW, int(elements * share) // _ROW * _ROW)
 
 
 _RATE_FIELDS = ("flop_per_s", "mem_byte_per_s", "rng_byte_per_s")
@@ -97,17 +125,19 @@ def measure_rates(
     mem_dtype: str | torch.dtype = torch.float32,
     repeats: int = 9,
     min_call_s: float = 5e-4,
+    sizes: tuple[int, int] | None = None,
 ) -> MachineRates:
     """`MachineRates` of `device`: matmul FLOPs/s in `flop_dtype`, bytes/s in `mem_dtype`,
     the median of `repeats` interleaved rounds; each timed call loops a kernel until it
-    takes `min_call_s`. Measured on one CPU thread: 1.3 s the first time in a process, 0.3 s after."""
+    takes `min_call_s`. Measured on one CPU thread: 1.3 s the first time in a process, 0.3 s after.
+    `sizes`: (matmul side, elements) instead of the device's (`rates_sizes`)."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats} must be at least 1; each rate is the median of that many timed rounds.")
     device = torch.device(device)
     flop_dtype, mem_dtype = _dtype(flop_dtype), _dtype(mem_dtype)
     sync = _synchronizer(device)
     clock = step_clock(device)
-    side, elements = _SIZES.get(device.type, _SIZES["default"])
+    side, elements = sizes or _SIZES.get(device.type, _SIZES["default"])
     gen = torch.Generator(device=device).manual_seed(0)  # the global RNG stays untouched
     with torch.no_grad(), torch.autocast(device.type, enabled=False):
         a = torch.randn(side, side, device=device, generator=gen).to(flop_dtype)

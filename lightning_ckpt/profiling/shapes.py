@@ -47,6 +47,28 @@ class BatchShape:
         tensors = ", ".join("[" + ", ".join(str(s) for s in shape) + "]" for shape in self.shapes)
         return f"batch {self.batch_size}, tensors {tensors or 'none'}"
 
+    def to_dict(self) -> dict:
+        return {"batch_size": self.batch_size, "shapes": [list(s) for s in self.shapes]}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "BatchShape":
+        """The shape `to_dict` gave, or a ValueError saying what in `data` is not one."""
+
+        def size(v: Any, least: int) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+        shapes = data.get("shapes") if isinstance(data, dict) else None
+        if (
+            not isinstance(data, dict) or set(data) != {"batch_size", "shapes"} or not size(data["batch_size"], 1)
+            or not isinstance(shapes, (list, tuple))
+            or not all(isinstance(s, (list, tuple)) and all(size(n, 0) for n in s) for s in shapes)
+        ):
+            raise ValueError(
+                f"a batch shape is {{'batch_size': int >= 1, 'shapes': [[int >= 0, ...], ...]}} (one list per tensor), "
+                f"got {data!r}."
+            )
+        return cls(data["batch_size"], tuple(tuple(s) for s in shapes))
+
 
 def shape_of(batch: Any) -> BatchShape:
     """The batch's shape (cheap: sizes only)."""

@@ -22,6 +22,7 @@ from lightning_ckpt.frontends.lightning import loader_batch_size as loader
 from lightning_ckpt.frontends.lightning import measured_peak, resume
 from lightning_ckpt.frontends.lightning.lightning_driver import LightningDriver
 from lightning_ckpt.frontends.lightning.loggers import finish_reports, log_metrics, write_plan_report
+from lightning_ckpt.profiling.tracker import StepBytesTracker
 from lightning_ckpt.report.summary import plan_metrics, plan_summary
 from lightning_ckpt.units import parse_bytes
 
@@ -49,8 +50,10 @@ class ActivationCheckpointing(Callback):
         guard_batchnorm: keep BatchNorm statistics from being updated by a recompute.
         verbose: print the plan table on rank 0.
         batch_multiple: with ``target_batch_size="max"``, round the batch down to a multiple of this.
-        strict_resume: when a checkpoint's plan no longer matches the model, raise instead of re-planning.
-        measure_peak: log the first planned step's measured peak beside the prediction (None: CUDA only).
+        strict_resume: when a checkpoint's plan no longer matches the model or does not hold, raise instead of re-planning.
+        measure_peak: measure the first steady step of each batch shape (CPU: tracked tensors, cheaply; CUDA: max
+            allocated) beside the prediction; a step over the budget is a warning with both numbers, and its shape
+            is planned again with the excess held in reserve. False: never measured.
         report: write the plan and profile as JSON and the trade-off plot as PNG to the log directory.
         plan_only: stop after planning (raises `PlanOnly`), used by ``python -m lightning_ckpt plan``.
         tune_allocator: make the memory the OS or GPU sees follow the tensors; None: on CUDA only
@@ -78,7 +81,7 @@ class ActivationCheckpointing(Callback):
         verbose: bool = True,
         batch_multiple: int = 1,
         strict_resume: bool = False,
-        measure_peak: bool | None = None,
+        measure_peak: bool = True,
         report: bool = True,
         plan_only: bool = False,
         tune_allocator: bool | None = None,
@@ -92,7 +95,7 @@ class ActivationCheckpointing(Callback):
         self.blocks = arguments.check_blocks(blocks)
         arguments.check_name(batch_arg_name, "batch_arg_name", "the attribute that holds the loader's batch size.")
         arguments.check_flags(
-            ("measure_peak", "tune_allocator"), guard_batchnorm=guard_batchnorm, verbose=verbose,
+            ("tune_allocator",), guard_batchnorm=guard_batchnorm, verbose=verbose,
             strict_resume=strict_resume, measure_peak=measure_peak, report=report, plan_only=plan_only,
             tune_allocator=tune_allocator, keep_hf_checkpointing=keep_hf_checkpointing,
         )
@@ -114,6 +117,7 @@ class ActivationCheckpointing(Callback):
         self._fit_memory = None
         self._budget_bytes: int | None = None
         self._loaded: dict[str, Any] | None = None
+        self._loaded_from: str | None = None  # the checkpoint `_loaded` came from (`Trainer.fit(ckpt_path=...)`)
         self._measuring = contextlib.ExitStack()  # holds the first steady step's `step_peak`
         self._peak: measured_peak.PeakReading | None = None
         self._planned_in_fit = self._bound = False  # planned / the engine on this fit's blocks
@@ -168,10 +172,15 @@ class ActivationCheckpointing(Callback):
             return
         self._measuring.close()
         reading, self._peak = self._peak, None
-        self.measured_peaks[self.engine.shape] = reading.peak_bytes
+        shape, plan = self.engine.shape, self.plan
+        verdict = self.engine.measured(reading.peak_bytes, reading.what)  # over the budget: re-planned now
+        if verdict.replanned is None:  # (else its next step is measured, under the new plan)
+            self.measured_peaks[shape] = reading.peak_bytes
+        else:
+            log_metrics(trainer, plan_metrics(self.plan))
         if self.measured_peak_bytes is None:
             self.measured_peak_bytes = reading.peak_bytes
-        measured_peak.report(trainer, reading, self.plan, self.report_paths, self.engine.shape.describe())
+        measured_peak.report(trainer, reading, plan, self.report_paths, shape.describe(), verdict)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -194,11 +203,18 @@ class ActivationCheckpointing(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         signature = [] if self.engine is None else self.engine.signature
-        return resume.callback_state(self.plan, self.profile, self.cost, signature, self._budget_bytes, self.policy)
+        shapes = (None, None) if self.engine is None else (self.engine.shape, self.engine.profile_shape)
+        return resume.callback_state(
+            self.plan, self.profile, self.cost, signature, self._budget_bytes, self.policy, *shapes
+        )
+
+    @override
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        self._loaded_from = None if trainer.ckpt_path is None else str(trainer.ckpt_path)  # named in what resume says
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._loaded = dict(state_dict)
+        self._loaded = state_dict if not isinstance(state_dict, dict) else dict(state_dict)
 
     def _bind(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         """The engine on this fit's blocks (`blocks=None`: the chain holding most of `batch`'s step bytes)."""
@@ -210,12 +226,13 @@ class ActivationCheckpointing(Callback):
         self.engine.bind(blocks, names, settings, model=pl_module)  # HF caches off for the fit (`model_compat`)
         self.engine.resume_with, self._bound = self._resumed_plan, True
 
-    def _resumed_plan(self) -> resume.ResumedPlan | None:
-        """The checkpoint's plan when it still matches this run (consulted once, before the first plan)."""
-        loaded, self._loaded = self._loaded, None
+    def _resumed_plan(self, shape: BatchShape, static, grads_accumulate: bool) -> resume.ResumedPlan | None:
+        """What the checkpoint gives the batch of `shape` (consulted once, before the first plan)."""
+        loaded, where, self._loaded, self._loaded_from = self._loaded, self._loaded_from, None, None
         return resume.resumed_plan(
             loaded, self.engine.signature, self.target_batch_size, self._budget_bytes, self.policy,
-            strict=self.strict_resume, granularity=self.granularity, max_levels=self.max_levels,
+            strict=self.strict_resume, shape=shape, static=static, granularity=self.granularity,
+            max_levels=self.max_levels, grads_accumulate=grads_accumulate, checkpoint=where,
         )
 
     def _announce(self, trainer: pl.Trainer, decision: ShapeDecision, first: bool) -> None:
@@ -244,5 +261,5 @@ class ActivationCheckpointing(Callback):
             return
         accumulating = trainer.accumulate_grad_batches == 1 or batch_idx % trainer.accumulate_grad_batches != 0
         if accumulating and measured_peak.should_measure(trainer, self.measure_peak):
-            reading = measured_peak.step_peak(trainer, pl_module, batch, self._fit_memory)
+            reading = measured_peak.step_peak(trainer, pl_module, batch, self._fit_memory, StepBytesTracker)
             self._peak = self._measuring.enter_context(reading)

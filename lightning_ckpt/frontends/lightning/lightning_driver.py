@@ -18,6 +18,7 @@ from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.profiling.blocks import resolve_blocks
+from lightning_ckpt.profiling.profile_budget import ProfileBudget
 from lightning_ckpt.profiling.static_memory import StaticMemory
 
 
@@ -50,16 +51,20 @@ class LightningDriver:
     def profile(
         self, batch: Any, blocks: list[torch.nn.Module], names: list[str], *, batch_idx: int,
         probes: tuple[int, int], check: int | None, rates: MachineRates | None, calibrate_keeps: bool,
-        time_blocks: bool = True,
+        time_blocks: bool = True, budget: ProfileBudget | None = None,
     ) -> Profile:
         trainer = self.trainer
         return profile_first_batch(
             trainer, trainer.lightning_module, blocks, names, batch, batch_idx, probes, check,
-            calibrate_keeps=calibrate_keeps, rates=rates, time_blocks=time_blocks,
+            calibrate_keeps=calibrate_keeps, rates=rates, time_blocks=time_blocks, budget=budget,
         )
 
     def static_memory(self) -> StaticMemory:
         return strategy_static_memory(self.trainer, self.trainer.lightning_module)
+
+    def optimizer_state_exists(self) -> bool:
+        """Whether any optimizer's state exists yet (most create it in their first step)."""
+        return any(bool(getattr(o, "state", True)) for o in self.trainer.optimizers)
 
     def broadcast(self, obj: Any) -> Any:
         return self.trainer.strategy.broadcast(obj, src=0)

@@ -3,7 +3,8 @@ of one training step, read between Lightning's batch-start and batch-end hooks.
 
 `fit_memory` sets the allocator at fit start and takes the RSS baseline; `step_peak` is a context
 manager whose `PeakReading` holds, once closed, the tracked peak and the RSS peak above that
-baseline (CPU) or `max_memory_allocated` and `max_memory_reserved` (CUDA); `report` logs them.
+baseline (CPU) or `max_memory_allocated` and `max_memory_reserved` (CUDA); `report` logs them and
+says loudly when the engine judged the step over the budget (`engine.measured_steps`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lightning_ckpt.engine.measured_steps import MeasuredStep
 from lightning_ckpt.frontends.lightning.loggers import log_metrics
 from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.units import format_bytes
@@ -71,6 +73,11 @@ class PeakReading:
     rss_anon_peak_bytes: int | None = None
     reserved_peak_bytes: int | None = None
 
+    @property
+    def what(self) -> str:
+        """What `peak_bytes` counts, for messages."""
+        return "max allocated" if self.reserved_peak_bytes is not None else "tracked tensors"
+
     def to_dict(self) -> dict[str, int | None]:
         return {
             "tracked_peak_bytes": self.peak_bytes,
@@ -80,20 +87,21 @@ class PeakReading:
         }
 
 
-def should_measure(trainer: pl.Trainer, measure_peak: bool | None) -> bool:
-    """Whether to measure the step about to run: asked for (None: on CUDA, where it is free) and
-    steady, i.e. the optimizer state the plan counts exists already."""
-    wanted = measure_peak if measure_peak is not None else trainer.strategy.root_device.type == "cuda"
-    return wanted and (any(len(o.state) for o in trainer.optimizers) or not trainer.optimizers)
+def should_measure(trainer: pl.Trainer, measure_peak: bool) -> bool:
+    """Whether to measure the step about to run: asked for (`measure_peak`, on by default) and steady,
+    i.e. the optimizer state the plan counts exists already."""
+    return measure_peak and (any(len(o.state) for o in trainer.optimizers) or not trainer.optimizers)
 
 
 @contextlib.contextmanager
 def step_peak(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any = None, fit: FitMemory | None = None
+    trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any = None, fit: FitMemory | None = None,
+    tracker: type[LiveBytesTracker] = LiveBytesTracker,
 ) -> Iterator[PeakReading]:
     """Measure the peak bytes of what runs inside: parameters, buffers, gradients, optimizer
     state, the batch and everything the step allocates; on CPU also the process's RSS above
-    `fit.rss_start_bytes` (without `fit`, above its value on entry)."""
+    `fit.rss_start_bytes` (without `fit`, above its value on entry). On CPU `tracker` counts the
+    tensors (the callback's own measurement passes the cheaper `StepBytesTracker`)."""
     reading = PeakReading()
     device = trainer.strategy.root_device
     if device.type == "cuda":
@@ -109,33 +117,23 @@ def step_peak(
     ]
     rss_start = current_rss_bytes() if fit is None else fit.rss_start_bytes
     anon_start = current_anon_bytes() if fit is None else fit.anon_start_bytes
-    with RssPeak() as rss, LiveBytesTracker() as tracker:
-        tracker.adopt(state_tensors(pl_module, None) + optimizer_state + list(tensors_in(batch)))
-        tracker.reset_peak()
+    with RssPeak() as rss, tracker() as tracked:
+        tracked.adopt(state_tensors(pl_module, None) + optimizer_state + list(tensors_in(batch)))
+        tracked.reset_peak()
         yield reading
-    reading.peak_bytes = tracker.peak_bytes
+    reading.peak_bytes = tracked.peak_bytes
     if rss.peak_bytes is not None and rss_start is not None:
         reading.rss_peak_bytes = rss.peak_bytes - rss_start
     if rss.anon_peak_bytes is not None and anon_start is not None:
         reading.rss_anon_peak_bytes = rss.anon_peak_bytes - anon_start
 
 
-def over_budget(reading: PeakReading, plan: Plan) -> str:
-    """What to tell when the measured tensor peak exceeds the budget; empty when it does not."""
-    if plan.budget_bytes is None or reading.peak_bytes is None or reading.peak_bytes <= plan.budget_bytes:
-        return ""
-    what = "max allocated" if reading.reserved_peak_bytes is not None else "tracked tensors"
-    return (
-        f"The measured step peak ({what} {format_bytes(reading.peak_bytes)}) is OVER the memory_budget of "
-        f"{format_bytes(plan.budget_bytes)} by {format_bytes(reading.peak_bytes - plan.budget_bytes)}, although the "
-        f"plan predicted {format_bytes(plan.predicted_peak_bytes)}: something in the step is not in the memory "
-        "model. Lower memory_budget by the difference to keep the run inside it"
-    )
-
-
-def summary(reading: PeakReading, plan: Plan, shape: str | None = None) -> str:
-    """One line: the prediction, the budget and each measured figure."""
+def summary(reading: PeakReading, plan: Plan, shape: str | None = None, verdict: MeasuredStep | None = None) -> str:
+    """One line: the prediction, the budget (the user's, with what is held in reserve) and each measured figure."""
     budget = format_bytes(plan.budget_bytes) if plan.budget_bytes is not None else "none"
+    if verdict is not None:
+        budget = format_bytes(verdict.budget_bytes)
+        budget += f", {format_bytes(verdict.reserve_bytes)} of it held in reserve" if verdict.reserve_bytes else ""
     parts = [f"predicted {format_bytes(plan.predicted_peak_bytes)} (budget {budget})"]
     if reading.reserved_peak_bytes is not None:
         parts += [f"max allocated {format_bytes(reading.peak_bytes)}", f"max reserved {format_bytes(reading.reserved_peak_bytes)}"]
@@ -150,11 +148,12 @@ def summary(reading: PeakReading, plan: Plan, shape: str | None = None) -> str:
 
 
 def report(
-    trainer: pl.Trainer, reading: PeakReading, plan: Plan, report_paths: Sequence[Path], shape: str | None = None
+    trainer: pl.Trainer, reading: PeakReading, plan: Plan, report_paths: Sequence[Path], shape: str | None = None,
+    verdict: MeasuredStep | None = None,
 ) -> None:
-    """Log the measured figures as `ckpt/*` metrics, print them next to the prediction (a warning when
-    the measured peak is over the budget) and add them to the JSON report (its ``"measured"`` entry, for
-    the first shape measured) when one was written."""
+    """Log the measured figures as `ckpt/*` metrics, print them next to the prediction, warn loudly when
+    `verdict` (the engine's) is over the budget, and add them to the JSON report (its ``"measured"`` entry,
+    for the first shape measured) when one was written."""
     metrics = {
         "ckpt/measured_peak_bytes": reading.peak_bytes,
         "ckpt/measured_rss_peak_bytes": reading.rss_peak_bytes,
@@ -162,15 +161,13 @@ def report(
         "ckpt/measured_reserved_peak_bytes": reading.reserved_peak_bytes,
     }
     log_metrics(trainer, {k: float(v) for k, v in metrics.items() if v is not None})
-    line = summary(reading, plan, shape)
-    over = over_budget(reading, plan)
-    if over:
-        rank_zero_warn(f"{line}. {over}")
-    else:
-        rank_zero_info(line)
+    rank_zero_info(summary(reading, plan, shape, None if verdict is None or verdict.over else verdict))
+    held = {} if verdict is None else {"over_budget": verdict.over, "reserve_bytes": verdict.reserve_bytes}
+    if verdict is not None and verdict.over:
+        rank_zero_warn(verdict.message())
     for path in report_paths:
         if Path(path).name == REPORT_JSON:
-            _add_to_report(Path(path), {"predicted_peak_bytes": plan.predicted_peak_bytes, **reading.to_dict()})
+            _add_to_report(Path(path), {"predicted_peak_bytes": plan.predicted_peak_bytes, **reading.to_dict(), **held})
 
 
 def _add_to_report(path: Path, measured: dict) -> None:

@@ -25,6 +25,7 @@ from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.profiling.discovery import ChainChoice, discover_chain
 from lightning_ckpt.profiling.gather import with_recompute_gather
+from lightning_ckpt.profiling.profile_budget import ProfileBudget
 from lightning_ckpt.engine.step_profile import profile_model
 
 LINEAR_FIT_TOLERANCE = 0.05  # relative miss at the check size above which the fitted line is reported
@@ -55,18 +56,20 @@ def profile_first_batch(
     calibrate_keeps: bool = False,
     rates: MachineRates | None = None,
     time_blocks: bool = True,
+    budget: ProfileBudget | None = None,
 ) -> Profile:
     """Profile the blocks at the probe sizes (and the check size) on slices of `batch`;
     `calibrate_keeps` (op-level plans in `time`) also times what keeping op outputs saves;
     `rates` measured by an earlier profile are reused (None: measured now); `time_blocks`: each
-    block's forward is timed (the `ms` cost metric needs it)."""
+    block's forward is timed (the `ms` cost metric needs it); `budget`: every pass within it
+    (`profiling.profile_budget`)."""
     check = probe_sizes(batch, probes, check)
     step_fn = _training_step(trainer, pl_module, batch_idx)
     # optimizers, schedulers and counters held still; a manual step's backward is run by the profiler
     with held_training(trainer, pl_module, blocks, names, step_fn) as step:
         with profiling_context(trainer), eager_only():  # a compiled model is profiled as its original code
             profile = profile_model(pl_module, blocks, step, batch, probes, check, names=names, calibrate_keeps=calibrate_keeps, rates=rates,
-                                    time_blocks=time_blocks)
+                                    time_blocks=time_blocks, budget=budget)
         profile = one_block_profile(profile, compiled_by(pl_module, blocks))  # compiled: one block per region
         profile = with_recompute_gather(profile, blocks)  # sharded blocks: what their recompute gathers, and how fast
     if profile.fit_note:  # the smallest slices were left out: they were off the line through the larger ones

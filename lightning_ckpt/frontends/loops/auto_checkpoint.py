@@ -13,6 +13,8 @@ the same loop without it. Arguments, defaults and errors are the callback's (`co
 
 A training forward whose inputs are larger in some size than any planned one, with no
 `handle.step(batch)` before it, is refused before it runs (`check_shapes`): its plan was never made.
+A step you measure yourself goes to `handle.measured(peak_bytes)`: over the budget, its shape is
+planned again with the excess over the prediction held in reserve (the callback measures for you).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 
 from lightning_ckpt.engine import arguments
 from lightning_ckpt.engine.checkpoint_engine import CheckpointEngine, EngineSettings
+from lightning_ckpt.engine.measured_steps import MeasuredStep
 from lightning_ckpt.frontends.loops.plain_driver import PlainDriver, StepFn
 from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.profiling.blocks import resolve_blocks
@@ -37,7 +40,7 @@ from lightning_ckpt.units import parse_bytes
 
 
 class CheckpointHandle:
-    """The plan applied by `auto_checkpoint`: `plan`, `batch_size`, `step(batch)`, `remove()`."""
+    """The plan applied by `auto_checkpoint`: `plan`, `batch_size`, `step(batch)`, `measured(peak)`, `remove()`."""
 
     def __init__(self, engine: CheckpointEngine, driver: PlainDriver, check_shapes: bool, verbose: bool) -> None:
         self.engine, self._driver, self._verbose = engine, driver, verbose
@@ -74,6 +77,15 @@ class CheckpointHandle:
         return self.engine.plan
 
     __call__ = step
+
+    def measured(self, peak_bytes: int) -> MeasuredStep:
+        """Judge a step you measured (e.g. `torch.cuda.max_memory_allocated()` over it, or
+        `lightning_ckpt.measure_step_peak`) against the budget: over it, one warning with both numbers, and
+        the step's shape is planned again now with the excess over the prediction held in reserve."""
+        verdict = self.engine.measured(peak_bytes)
+        if verdict.over:
+            self._driver.warn(verdict.message())
+        return verdict
 
     def remove(self) -> None:
         """Undo everything: no hook of the library is left on any module, the model's settings are back."""

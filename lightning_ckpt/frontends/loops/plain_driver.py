@@ -25,6 +25,7 @@ from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.profiling.batch import checked_size
 from lightning_ckpt.profiling.ddp_memory import ddp_comm_buffer_bytes
+from lightning_ckpt.profiling.profile_budget import ProfileBudget
 from lightning_ckpt.engine.step_profile import profile_model
 from lightning_ckpt.profiling.state import preserved_rng, unchanged_parameters
 from lightning_ckpt.profiling.static_memory import StaticMemory, static_memory
@@ -103,7 +104,7 @@ class PlainDriver:
     def profile(
         self, batch: Any, blocks: list[nn.Module], names: list[str], *, batch_idx: int,
         probes: tuple[int, int], check: int | None, rates: MachineRates | None, calibrate_keeps: bool,
-        time_blocks: bool = True,
+        time_blocks: bool = True, budget: ProfileBudget | None = None,
     ) -> Profile:
         check = checked_size(batch, probes, check, self.info)
         ddp = ddp_module(self.wrapped)
@@ -113,7 +114,7 @@ class PlainDriver:
             with preserved_rng(), unchanged_parameters(self.model), no_sync:  # the RNG as found, whatever profiling ran
                 return profile_model(
                     self.model, blocks, self.step_fn, batch, probes, check, names=names,
-                    calibrate_keeps=calibrate_keeps, rates=rates, time_blocks=time_blocks,
+                    calibrate_keeps=calibrate_keeps, rates=rates, time_blocks=time_blocks, budget=budget,
                 )
         finally:
             self.profiling = False
@@ -124,6 +125,10 @@ class PlainDriver:
         if self.optimizer_state_bytes is not None:
             static = dataclasses.replace(static, optimizer_state_bytes=self.optimizer_state_bytes)
         return dataclasses.replace(static, comm_buffer_bytes=ddp_comm_buffer_bytes(self.wrapped))
+
+    def optimizer_state_exists(self) -> bool:
+        """Whether the optimizer's state exists yet (most create it in their first step)."""
+        return self.optimizer is None or bool(self.optimizer.state)
 
     def broadcast(self, obj: Any) -> Any:
         if not distributed():
