@@ -83,7 +83,7 @@ class CheckpointEngine:
         signature = block_signature(names, blocks)
         if self._shapes is None or signature != self.signature:  # other blocks: what was profiled is void
             self.profile, self._costs, self._cost = None, {}, None
-            self._shapes = ShapePlans(self._profile_shape, self._plan_shape)
+            self._shapes = ShapePlans(self._profile_shape, self._plan_shape, room_fn=self._pass_room)
         self._shapes.forget_plans()
         self.settings = settings or self.settings
         self.blocks, self.block_names, self.signature = list(blocks), list(names), signature
@@ -326,6 +326,13 @@ class CheckpointEngine:
         state = getattr(self.driver, "optimizer_state_exists", lambda: True)()  # none before the first step
         held = (0 if own else self._held_batch_bytes) - (0 if state else self._static.optimizer_state_bytes)
         return ProfileBudget(self.settings.budget_bytes, self._static.resident_bytes + held, info=self.driver.info)
+
+    def _pass_room(self, batch: Any) -> int | None:
+        """The bytes a profiling pass may hold beside `batch` and what stays resident (None: no budget)."""
+        if self.settings.budget_bytes is None:
+            return None
+        budget = self._profile_budget(batch, True)
+        return budget.budget_bytes - budget.resident_bytes - batch_bytes(batch)
 
     def _plan_shape(self, cost_of: Callable[..., StepCost], shape: BatchShape) -> Plan | None:
         """Rank 0's plan at `shape` from `cost_of` (None on the other ranks, which take rank 0's)."""
