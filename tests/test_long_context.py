@@ -109,6 +109,12 @@ def test_auto_checkpoint_plans_one_llama_sequence_too_long_to_profile_whole_with
     assert all(p <= budget for p in peaks), f"steps peaked at {[p / MiB for p in peaks]} MiB, budget {budget / MiB}"
     assert handle.plan.predicted_peak_bytes >= max(peaks)
     assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    longest = handle.longest_length()  # from the profiles alone: a batch of that length fits as measured
+    assert length <= longest < 2 * length
+    handle.step(_ids(longest, seed=9))
+    runs = handle.engine.profile_runs
+    assert measure_step_peak(model, lambda b: model(**b).loss, _ids(longest, seed=9), opt) <= budget
+    assert handle.engine.profile_runs == runs
     handle.remove()
 
 
@@ -138,7 +144,7 @@ def test_packed_rows_of_new_total_lengths_are_costed_from_the_fit_within_the_bud
     handle.remove()
 
 
-def test_a_batch_of_one_sample_plans_batch_size_one_only():
+def test_a_batch_of_one_sample_plans_batch_size_one_only(kept_timings):
     model = _llama()
     batch = _ids(64)
     handle = auto_checkpoint(model, "64MiB", example_batch=batch, step_fn=lambda b: model(**b).loss,

@@ -327,6 +327,25 @@ class CheckpointEngine:
         held = (0 if own else self._held_batch_bytes) - (0 if state else self._static.optimizer_state_bytes)
         return ProfileBudget(self.settings.budget_bytes, self._static.resident_bytes + held, info=self.driver.info)
 
+    def longest_length(self, shape: BatchShape | None = None) -> int | None:
+        """The longest sequence (or packed row) at `shape`'s batch size whose best plan fits the budget, from
+        the profiles alone (default: the applied plan's shape); None when its length was never fitted."""
+        self._require_bound()
+        shape = shape or self.shape
+        if shape is None or self.settings.budget_bytes is None:
+            return None
+        static = self._static or self.driver.static_memory()
+        request = self.settings.request()
+
+        def fits(cost_of: Callable[..., StepCost], at: BatchShape) -> bool:
+            costs = CostSource(cost_of, grads_accumulate=self.driver.grads_accumulate)
+            try:
+                return plan_for_target(costs, static, self.reserves.request(request, at), at.batch_size)[0].fits
+            except InfeasibleBudgetError:
+                return False
+
+        return self._shapes.longest_length(shape, fits)
+
     def _pass_room(self, batch: Any) -> int | None:
         """The bytes a profiling pass may hold beside `batch` and what stays resident (None: no budget)."""
         if self.settings.budget_bytes is None:

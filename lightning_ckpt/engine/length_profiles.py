@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -99,6 +100,32 @@ def extrapolated(fitted: ShapeProfile | None, length: int) -> tuple[Callable[...
         f"{100 * share:.2f} % held in reserve)"
     )
     return cost_of, source
+
+
+def longest_length(family: Any, shape: BatchShape, fits: Callable[[Callable[..., StepCost], BatchShape], bool]) -> int | None:
+    """The longest length of the varying dimension of `family` (`engine.shape_plans.ShapeFamily`) at `shape`'s
+    batch size whose step `fits`, costed from the profiles alone (profiled, fitted, or extrapolated up to
+    `EXTRAPOLATE` times the longest profiled length); None when not even the shortest profiled one fits."""
+    fitted = family.shape_profile()
+    if fitted is None:
+        return None
+    positions = family.positions()
+
+    def at(x: int) -> BatchShape:
+        sizes = tuple(tuple(x if (i, d) in positions else n for d, n in enumerate(s)) for i, s in enumerate(shape.shapes))
+        return BatchShape(shape.batch_size, sizes)
+
+    def ok(x: int) -> bool:
+        found = family.cost_of(at(x))
+        return found is not None and fits(found[0], at(x))
+
+    lo, hi = fitted.lengths[0], int(EXTRAPOLATE * fitted.lengths[-1])
+    if not ok(lo):
+        return None
+    while lo < hi:  # [invariant] lo fits; a step's memory grows with the length, so halving finds the longest
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo
 
 
 def too_long(shape: BatchShape, length: int | None, profiled: Sequence[int], why_not: str | None) -> InfeasibleBudgetError:

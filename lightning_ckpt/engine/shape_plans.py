@@ -33,7 +33,7 @@ from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.units import format_bytes
 from lightning_ckpt.planning.shape_profile import FIT_TOLERANCE, ShapeProfile, checked_bytes
-from lightning_ckpt.engine.length_profiles import extrapolated, profile_lengths, too_long
+from lightning_ckpt.engine.length_profiles import extrapolated, longest_length, profile_lengths, too_long
 from lightning_ckpt.profiling.profile_budget import SampleTooLong
 from lightning_ckpt.profiling.shapes import (
     BatchShape,
@@ -253,6 +253,12 @@ class ShapePlans:
         decision = ShapeDecision(shape, plan, source, True, lengths, profile_s, plan_s)
         self.plans[(sample_key(shape), shape.batch_size)] = decision
         return decision
+
+    def longest_length(self, shape: BatchShape, fits: Callable[[CostOf, BatchShape], bool]) -> int | None:
+        """The longest length of `shape`'s varying dimension whose step `fits`, from what was profiled
+        (`engine.length_profiles.longest_length`); None when its family was never fitted in a length."""
+        family = self.families.get(layout_key(shape))
+        return None if family is None else longest_length(family, shape, fits)
 
     def profile_own(self, batch: Any, shape: BatchShape) -> Profile:
         """Profile `batch` at its own shape and register it (no prefixes, no plan)."""
