@@ -379,6 +379,10 @@ class CheckpointEngine:
                 plan, cost = plan_for_target(costs, self._static, request, shape.batch_size)
             except InfeasibleBudgetError as err:
                 note = "" if "allow_python_state" in str(err) else python_state_note(self.profile.probes[0])
+                longest = self.longest_length(shape) if shape.batch_size == 1 else None
+                if longest is not None:  # one sequence: the length that fits says more than a batch size
+                    note += (f" At batch 1 the longest sequence (or packed row) that fits is {longest} tokens; "
+                             "cut or pack the sequences to that length.")
                 raise InfeasibleBudgetError(f"the training batch of shape ({shape.describe()}): {err}{note}") from None
         self._costs[shape] = cost
         self._cost = cost
