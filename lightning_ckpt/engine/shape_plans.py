@@ -60,6 +60,12 @@ def layout_key(shape: BatchShape) -> tuple[int, ...]:
     return tuple(len(s) for s in shape.shapes)
 
 
+def family_key(shape: BatchShape, one_sample: bool) -> tuple[int, ...]:
+    """The key of `shape`'s family: its layout, and apart from the lines in the batch size, the profiles of
+    batches of one sample (at batch size 1 only, `Profile.one_size`), which cannot cost other batch sizes."""
+    return (*layout_key(shape), -1) if one_sample else layout_key(shape)
+
+
 @dataclass
 class ShapeFamily:
     """The shapes of one layout seen so far and the profiles made at some of them: on real batches
@@ -208,7 +214,7 @@ class ShapePlans:
 
     def add_profile(self, shape: BatchShape, profile: Profile) -> None:
         """Register a profile made elsewhere (a resumed run's) at `shape`."""
-        family = self.families.setdefault(layout_key(shape), ShapeFamily())
+        family = self.families.setdefault(family_key(shape, profile.one_size), ShapeFamily())
         family.seen.setdefault(sample_key(shape), shape)
         family.profiles[sample_key(shape)] = (shape, profile, True)
 
@@ -226,9 +232,14 @@ class ShapePlans:
         hit = self.cached(shape)
         if hit is not None:
             return dataclasses.replace(hit, new=False)
-        family = self.families.setdefault(layout_key(shape), ShapeFamily())
-        family.seen.setdefault(sample_key(shape), shape)
-        found = family.cost_of(shape)
+        family = self.families.get(layout_key(shape)) if shape.batch_size == 1 else None
+        if family is not None:  # one sample: the lines of larger batches cost it when they can
+            family.seen.setdefault(sample_key(shape), shape)
+        found = None if family is None else family.cost_of(shape)
+        if found is None:
+            family = self.families.setdefault(family_key(shape, shape.batch_size == 1), ShapeFamily())
+            family.seen.setdefault(sample_key(shape), shape)
+            found = family.cost_of(shape)
         lengths: tuple[int, ...] = ()
         t0 = time.perf_counter()
         if found is None and batch is None:
@@ -257,7 +268,7 @@ class ShapePlans:
     def longest_length(self, shape: BatchShape, fits: Callable[[CostOf, BatchShape], bool]) -> int | None:
         """The longest length of `shape`'s varying dimension whose step `fits`, from what was profiled
         (`engine.length_profiles.longest_length`); None when its family was never fitted in a length."""
-        family = self.families.get(layout_key(shape))
+        family = self.families.get(family_key(shape, shape.batch_size == 1))
         return None if family is None else longest_length(family, shape, fits)
 
     def profile_own(self, batch: Any, shape: BatchShape) -> Profile:
