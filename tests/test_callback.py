@@ -418,7 +418,6 @@ def test_noop_with_info_line_when_nothing_needs_checkpointing(caplog):
         (4, (8, 16), (r"probe_batch_sizes=\(8, 16\) but the first training batch has 4 samples; the probes are "
                       r"slices of that batch\. Set probe_batch_sizes to two sizes <= 4, e\.g\. \(1, 2\)\.")),
         (4, (2, 5), r"probe_batch_sizes=\(2, 5\) but the first training batch has 4 samples"),
-        (1, (1, 2), r"the first training batch has 1 sample\(s\); profiling fits a line through two batch sizes"),
     ],
 )
 def test_probes_larger_than_the_first_batch_raise(batch_size, probes, match):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from lightning_ckpt.costs.block_costs import BlockCost, OpCost, StepCost
 from lightning_ckpt.costs.linear_fit import Profile
 
@@ -133,3 +135,14 @@ def test_a_few_bytes_off_the_line_do_not_refit():
     noisy = Profile(probes=(step(1, 1304), step(2, 4)), check=step(4, 4))
     assert relative_miss(noisy.at(4), noisy.check) < 0.01
     assert refit_without_smallest(noisy) is noisy
+
+
+def test_a_profile_of_one_sample_costs_batch_size_one_only_and_survives_a_round_trip():
+    one = _step(1, _ops(1))
+    profile = Profile(probes=(one, one))
+    assert profile.one_size and profile.at(1, static_bytes=7).static_bytes == 7 and profile.at(1).blocks == one.blocks
+    assert Profile.from_dict(profile.to_dict()).at(1) == profile.at(1)
+    with pytest.raises(ValueError, match=r"made at batch size 1 only .* cannot cost batch size 2"):
+        profile.at(2)
+    with pytest.raises(ValueError, match=r"a profile needs probes at two different batch sizes"):
+        Profile(probes=(one, _step(1, _ops(2))))

@@ -42,12 +42,15 @@ def test_sizes_within_the_batch_are_used_as_given():
         (4, (8, 16), (r"^probe_batch_sizes=\(8, 16\) but the first training batch has 4 samples; the probes are "
                       r"slices of that batch\. Set probe_batch_sizes to two sizes <= 4, e\.g\. \(1, 2\)\.$")),
         (3, (1, 4), r"probe_batch_sizes=\(1, 4\) but the first training batch has 3 samples"),
-        (1, (1, 2), r"the first training batch has 1 sample\(s\); profiling fits a line through two batch sizes"),
     ],
 )
 def test_probe_larger_than_the_batch_raises(n, probes, match):
     with pytest.raises(ValueError, match=match):
         probe_sizes(_batch(n), probes, None)
+
+
+def test_a_batch_of_one_sample_is_profiled_whole_with_no_check_slice():
+    assert probe_sizes(_batch(1), (1, 2), 4) is None  # profiled along its tokens (`engine.length_profiles`)
 
 
 def test_check_larger_than_the_batch_is_skipped_and_said(caplog):

@@ -156,3 +156,42 @@ def test_a_fitted_cost_holds_the_fit_s_checked_miss_in_reserve():
     fitted_only = family.shape_profile().at(8, 100)
     assert cost.pre_saved_bytes > fitted_only.pre_saved_bytes
     assert sum(b.saved_bytes for b in cost.blocks) + cost.pre_saved_bytes >= sum(b.saved_bytes for b in truth.blocks) + truth.pre_saved_bytes
+
+
+class _OneSample(_Recorder):
+    """`_Recorder` whose batches of one sample give a profile at batch size 1 only, and whose passes over
+    `room` tokens are stopped (as a budget stops them)."""
+
+    def __init__(self, room: int | None = None) -> None:
+        super().__init__()
+        self.room = room
+
+    def profile(self, batch, own):
+        from lightning_ckpt.profiling.profile_budget import SampleTooLong
+
+        length = batch["input_ids"].shape[1]
+        if batch["input_ids"].shape[0] > 1:
+            return super().profile(batch, own)
+        self.profiled.append((length, own))
+        if self.room is not None and length > self.room:
+            raise SampleTooLong("it reached the room the memory budget leaves profiling")
+        one = dataclasses.replace(_profile(length).probes[0], meta={"pass_bytes": length * length})
+        return type(_profile(length))(probes=(one, one))
+
+
+def test_one_sample_too_long_to_profile_whole_is_costed_past_its_prefixes_and_kept_apart_from_lines():
+    rec = _OneSample(room=100)
+    plans = ShapePlans(rec.profile, rec.plan)
+    first = plans.plan_for(_batch(1, 128))
+    # shortest first; the whole stopped; then the prefixes between, up to the first that is stopped
+    assert rec.profiled == [(32, False), (64, False), (96, False), (128, True), (48, False), (80, False), (112, False)]
+    assert first.source.startswith("extrapolated from lengths 32, 48, 64, 80, 96 at batch 1")
+    n = len(rec.profiled)
+    assert plans.plan_for(_batch(1, 150)).source.startswith("extrapolated") and len(rec.profiled) == n
+    assert plans.plan_for(_batch(1, 56)).source.startswith("fitted") and len(rec.profiled) == n
+    lines = plans.plan_for(_batch(8, 64))  # a batch of several samples: profiled on lines, not the one-sample fit
+    assert lines.source == "profiled" and rec.profiled[n] == (64, True)
+    assert plans.plan_for(_batch(1, 64)).source == "profiled"  # the line of the batch of 8 costs one sample too
+    plans.plan_for(_batch(8, 128))  # each family holds one kind: lines, or profiles at batch size 1 only
+    kinds = {key: {p.one_size for _, p, _ in f.profiles.values()} for key, f in plans.families.items()}
+    assert kinds == {(2, 2, 1): {False}, (2, 2, 1, -1): {True}}

@@ -93,13 +93,20 @@ class Profile:
 
     def __post_init__(self) -> None:
         a, b = self.probes
-        if a.batch_size == b.batch_size:
+        if a.batch_size == b.batch_size and not self.one_size:
             raise ValueError(
                 f"a profile needs probes at two different batch sizes, got {a.batch_size} twice; "
                 "use e.g. probe_batch_sizes=(1, 2)."
             )
         if a.n_blocks != b.n_blocks:
             raise ValueError(f"probes disagree on the number of blocks ({a.n_blocks} vs {b.n_blocks}).")
+
+    @property
+    def one_size(self) -> bool:
+        """A profile at one batch size only (a batch of one sample, profiled along its tokens): both
+        probes are the same measurement, and `at` answers at that batch size alone."""
+        a, b = self.probes
+        return a.batch_size == b.batch_size and a == b
 
     @property
     def n_blocks(self) -> int:
@@ -112,6 +119,14 @@ class Profile:
     def at(self, batch_size: int, **step_fields) -> StepCost:
         """The step cost predicted at `batch_size` (static fields passed through)."""
         p1, p2 = self.probes
+        if self.one_size:
+            if batch_size != p1.batch_size:
+                raise ValueError(
+                    f"this profile was made at batch size {p1.batch_size} only (a batch of one sample is profiled "
+                    f"along its tokens, not on slices of samples), so it cannot cost batch size {batch_size}; "
+                    "profile a batch of at least two samples to plan other batch sizes."
+                )
+            return dataclasses.replace(p1, **step_fields) if step_fields else p1
         x1, x2 = p1.batch_size, p2.batch_size
         blocks = []
         checks = self.check.blocks if self.check is not None else [None] * len(p1.blocks)

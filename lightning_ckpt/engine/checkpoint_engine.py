@@ -83,7 +83,7 @@ class CheckpointEngine:
         signature = block_signature(names, blocks)
         if self._shapes is None or signature != self.signature:  # other blocks: what was profiled is void
             self.profile, self._costs, self._cost = None, {}, None
-            self._shapes = ShapePlans(self._profile_shape, self._plan_shape)
+            self._shapes = ShapePlans(self._profile_shape, self._plan_shape, room_fn=self._pass_room)
         self._shapes.forget_plans()
         self.settings = settings or self.settings
         self.blocks, self.block_names, self.signature = list(blocks), list(names), signature
@@ -327,6 +327,32 @@ class CheckpointEngine:
         held = (0 if own else self._held_batch_bytes) - (0 if state else self._static.optimizer_state_bytes)
         return ProfileBudget(self.settings.budget_bytes, self._static.resident_bytes + held, info=self.driver.info)
 
+    def longest_length(self, shape: BatchShape | None = None) -> int | None:
+        """The longest sequence (or packed row) at `shape`'s batch size whose best plan fits the budget, from
+        the profiles alone (default: the applied plan's shape); None when its length was never fitted."""
+        self._require_bound()
+        shape = shape or self.shape
+        if shape is None or self.settings.budget_bytes is None:
+            return None
+        static = self._static or self.driver.static_memory()
+        request = self.settings.request()
+
+        def fits(cost_of: Callable[..., StepCost], at: BatchShape) -> bool:
+            costs = CostSource(cost_of, grads_accumulate=self.driver.grads_accumulate)
+            try:
+                return plan_for_target(costs, static, self.reserves.request(request, at), at.batch_size)[0].fits
+            except InfeasibleBudgetError:
+                return False
+
+        return self._shapes.longest_length(shape, fits)
+
+    def _pass_room(self, batch: Any) -> int | None:
+        """The bytes a profiling pass may hold beside `batch` and what stays resident (None: no budget)."""
+        if self.settings.budget_bytes is None:
+            return None
+        budget = self._profile_budget(batch, True)
+        return budget.budget_bytes - budget.resident_bytes - batch_bytes(batch)
+
     def _plan_shape(self, cost_of: Callable[..., StepCost], shape: BatchShape) -> Plan | None:
         """Rank 0's plan at `shape` from `cost_of` (None on the other ranks, which take rank 0's)."""
         if self.driver.rank != 0:
@@ -353,6 +379,10 @@ class CheckpointEngine:
                 plan, cost = plan_for_target(costs, self._static, request, shape.batch_size)
             except InfeasibleBudgetError as err:
                 note = "" if "allow_python_state" in str(err) else python_state_note(self.profile.probes[0])
+                longest = self.longest_length(shape) if shape.batch_size == 1 else None
+                if longest is not None:  # one sequence: the length that fits says more than a batch size
+                    note += (f" At batch 1 the longest sequence (or packed row) that fits is {longest} tokens; "
+                             "cut or pack the sequences to that length.")
                 raise InfeasibleBudgetError(f"the training batch of shape ({shape.describe()}): {err}{note}") from None
         self._costs[shape] = cost
         self._cost = cost

@@ -33,8 +33,11 @@ from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.units import format_bytes
 from lightning_ckpt.planning.shape_profile import FIT_TOLERANCE, ShapeProfile, checked_bytes
+from lightning_ckpt.engine.length_profiles import extrapolated, longest_length, profile_lengths, too_long
+from lightning_ckpt.profiling.profile_budget import SampleTooLong
 from lightning_ckpt.profiling.shapes import (
     BatchShape,
+    sequence_positions,
     length_of,
     shape_of,
     shorter_lengths,
@@ -57,18 +60,25 @@ def layout_key(shape: BatchShape) -> tuple[int, ...]:
     return tuple(len(s) for s in shape.shapes)
 
 
+def family_key(shape: BatchShape, one_sample: bool) -> tuple[int, ...]:
+    """The key of `shape`'s family: its layout, and apart from the lines in the batch size, the profiles of
+    batches of one sample (at batch size 1 only, `Profile.one_size`), which cannot cost other batch sizes."""
+    return (*layout_key(shape), -1) if one_sample else layout_key(shape)
+
+
 @dataclass
 class ShapeFamily:
     """The shapes of one layout seen so far and the profiles made at some of them: on real batches
     (`own`) or on prefixes of them at shorter lengths, which only ever feed the fit."""
 
     seen: dict[SampleKey, BatchShape] = field(default_factory=dict)
+    tokens: tuple[tuple[int, int], ...] = ()  # the token dimension of a first batch of one sample, found in it alone
     profiles: dict[SampleKey, tuple[BatchShape, Profile, bool]] = field(default_factory=dict)
     _fitted: dict = field(default_factory=dict, repr=False)  # own only -> (what it was built from, ShapeProfile)
 
     def positions(self) -> tuple[tuple[int, int], ...]:
         shapes = list(self.seen.values()) + [s for s, _, _ in self.profiles.values()]
-        return varying_positions(shapes) if len(shapes) > 1 else ()
+        return (varying_positions(shapes) if len(shapes) > 1 else ()) or self.tokens
 
     def length(self, shape: BatchShape) -> int | None:
         positions = self.positions()
@@ -111,6 +121,10 @@ class ShapeFamily:
                     err = fitted.fit_error(shape.batch_size) or 0.0
                     source = f"fitted over lengths {lengths} (checked within {100 * err:.2f} %, held in reserve)"
                     return functools.partial(_with_reserve, fitted, x, err), source
+        if x is not None and shape.batch_size == 1:  # one sample: the fit in its length, also past the longest
+            found = extrapolated(self.shape_profile(), x)
+            if found is not None:
+                return found
         own_shapes = [s for s, _, own in self.profiles.values() if own]
         bound = _bounding(shape, own_shapes, self.positions())
         if bound is not None:
@@ -178,8 +192,11 @@ PlanFn = Callable[[CostOf, BatchShape], Plan]
 class ShapePlans:
     """Plans per shape (`plan_for`), profiles per family of shapes, and what it all cost."""
 
-    def __init__(self, profile_fn: ProfileFn, plan_fn: PlanFn, slice_lengths: bool = True) -> None:
+    def __init__(
+        self, profile_fn: ProfileFn, plan_fn: PlanFn, slice_lengths: bool = True, room_fn: Callable[[Any], int | None] | None = None,
+    ) -> None:
         self.profile_fn, self.plan_fn, self.slice_lengths = profile_fn, plan_fn, slice_lengths
+        self.room_fn = room_fn  # (batch) -> the bytes a profiling pass may hold beside it (None: not known)
         self.families: dict[tuple[int, ...], ShapeFamily] = {}
         self.plans: dict[tuple[SampleKey, int], ShapeDecision] = {}
         self.slice_error: str | None = None  # why prefixes of batches stopped being profiled
@@ -197,7 +214,7 @@ class ShapePlans:
 
     def add_profile(self, shape: BatchShape, profile: Profile) -> None:
         """Register a profile made elsewhere (a resumed run's) at `shape`."""
-        family = self.families.setdefault(layout_key(shape), ShapeFamily())
+        family = self.families.setdefault(family_key(shape, profile.one_size), ShapeFamily())
         family.seen.setdefault(sample_key(shape), shape)
         family.profiles[sample_key(shape)] = (shape, profile, True)
 
@@ -215,9 +232,14 @@ class ShapePlans:
         hit = self.cached(shape)
         if hit is not None:
             return dataclasses.replace(hit, new=False)
-        family = self.families.setdefault(layout_key(shape), ShapeFamily())
-        family.seen.setdefault(sample_key(shape), shape)
-        found = family.cost_of(shape)
+        family = self.families.get(layout_key(shape)) if shape.batch_size == 1 else None
+        if family is not None:  # one sample: the lines of larger batches cost it when they can
+            family.seen.setdefault(sample_key(shape), shape)
+        found = None if family is None else family.cost_of(shape)
+        if found is None:
+            family = self.families.setdefault(family_key(shape, shape.batch_size == 1), ShapeFamily())
+            family.seen.setdefault(sample_key(shape), shape)
+            found = family.cost_of(shape)
         lengths: tuple[int, ...] = ()
         t0 = time.perf_counter()
         if found is None and batch is None:
@@ -230,7 +252,8 @@ class ShapePlans:
         if found is None:
             lengths = self._profile(family, batch, shape)
             found = family.cost_of(shape)
-            assert found is not None, "a profiled shape costs itself"
+            if found is None:  # one sample too long to profile whole, and its prefixes too few to fit
+                raise too_long(shape, family.length(shape), lengths, self.slice_error)
         profile_s = time.perf_counter() - t0
         cost_of, source = found
         t1 = time.perf_counter()
@@ -241,6 +264,12 @@ class ShapePlans:
         decision = ShapeDecision(shape, plan, source, True, lengths, profile_s, plan_s)
         self.plans[(sample_key(shape), shape.batch_size)] = decision
         return decision
+
+    def longest_length(self, shape: BatchShape, fits: Callable[[CostOf, BatchShape], bool]) -> int | None:
+        """The longest length of `shape`'s varying dimension whose step `fits`, from what was profiled
+        (`engine.length_profiles.longest_length`); None when its family was never fitted in a length."""
+        family = self.families.get(family_key(shape, shape.batch_size == 1))
+        return None if family is None else longest_length(family, shape, fits)
 
     def profile_own(self, batch: Any, shape: BatchShape) -> Profile:
         """Profile `batch` at its own shape and register it (no prefixes, no plan)."""
@@ -260,7 +289,12 @@ class ShapePlans:
         return decision
 
     def _profile(self, family: ShapeFamily, batch: Any, shape: BatchShape) -> tuple[int, ...]:
-        """Profile the batch at its own shape and, when one length varies, at shorter prefixes."""
+        """Profile the batch at its own shape and, when one length varies, at shorter prefixes. A batch of
+        one sample is profiled along its tokens (`_profile_tokens`)."""
+        if shape.batch_size == 1 and self.slice_lengths:
+            family.tokens = family.tokens or sequence_positions(shape)
+            if family.length(shape) is not None:
+                return self._profile_tokens(family, batch, shape)
         family.profiles[sample_key(shape)] = (shape, self.profile_fn(batch, True), True)
         self.profile_runs += 1
         x = family.length(shape)
@@ -289,6 +323,36 @@ class ShapePlans:
             family.profiles[sample_key(part_shape)] = (part_shape, profile, False)
             self.profile_runs += 1
             done += (short,)
+        return done
+
+    def _profile_tokens(self, family: ShapeFamily, batch: Any, shape: BatchShape) -> tuple[int, ...]:
+        """A batch of one sample profiled on prefixes of its sequence, shortest first, and whole when it is
+        predicted to fit (`engine.length_profiles.profile_lengths`)."""
+        positions, x = family.positions(), family.length(shape)
+
+        def profile_at(length: int) -> Profile:
+            own = length == x
+            part = batch if own else slice_length(batch, positions, length)
+            try:
+                profile = self.profile_fn(part, own)
+            except SampleTooLong:
+                raise
+            except Exception as err:  # noqa: BLE001 - a prefix the model rejects: the batch is profiled whole
+                if own:
+                    raise
+                self.slice_error, self.slice_lengths = f"{type(err).__name__}: {err}", False
+                raise SampleTooLong(self.slice_error) from None
+            part_shape = shape_of(part)
+            family.profiles[sample_key(part_shape)] = (part_shape, profile, own)
+            self.profile_runs += 1
+            return profile
+
+        known = {family.length(s) for s, _, _ in family.profiles.values()}
+        room = None if self.room_fn is None else functools.partial(self.room_fn, batch)
+        done = profile_lengths(x, known, profile_at, room)
+        if x not in done and not self.slice_lengths:  # no prefix could be cut: the batch itself, as before
+            profile_at(x)
+            done += (x,)
         return done
 
 

@@ -123,11 +123,8 @@ def checked_size(
 ) -> int | None:
     """The probe sizes checked against `what` they slice; -> the check size to use (None: skip it)."""
     n = batch_size_of(batch)
-    if n < 2:
-        raise ValueError(
-            f"{what} has {n} sample(s); profiling fits a line through two batch sizes, so it needs at "
-            "least 2. Use a batch of 2 or more samples."
-        )
+    if n == 1:  # one sample: profiled whole, and along its tokens (prefixes), not on slices of samples
+        return None
     if max(probes) > n:
         raise ValueError(
             f"probe_batch_sizes={probes} but {what} has {n} samples; the probes are slices of that batch. "

@@ -32,7 +32,7 @@ from lightning_ckpt.units import format_bytes
 
 __all__ = [
     "AT_LIMIT", "MARGIN", "NoRoom", "ProfileBudget", "ProfileBudgetError", "SliceRoom", "batch_bytes", "check_within",
-    "optional_pass", "probe_within", "released", "smaller_probes", "why_stopped",
+    "optional_pass", "probe_within", "released", "SampleTooLong", "smaller_probes", "why_stopped",
 ]
 
 MARGIN = 0.1  # share of a predicted pass held back for what no pass measured yet (Python objects, one op's scratch)
@@ -40,6 +40,19 @@ MARGIN = 0.1  # share of a predicted pass held back for what no pass measured ye
 
 class ProfileBudgetError(ValueError):
     """The device ran out of memory on the smallest profile of the step."""
+
+
+class SampleTooLong(Exception):
+    """A pass on a batch of one sample was stopped at the room the budget leaves profiling (or the device ran
+    out of memory): one sample cannot be sliced smaller along the batch, only along its tokens (the engine
+    then profiles prefixes of it, `engine.length_profiles`). The state was put back."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(
+            f"profiling a batch of one sample without checkpointing was stopped ({reason}); a shorter prefix of "
+            "its sequence is needed to profile it within the memory budget."
+        )
+        self.reason = reason
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from lightning_ckpt.profiling.op_profile import OpProfileRecorder
 from lightning_ckpt.profiling.probe_counters import ProbeCounters
 from lightning_ckpt.profiling.probe_hooks import Probe
 from lightning_ckpt.profiling.profile_budget import NoRoom, ProfileBudget, SliceRoom, check_within, optional_pass, probe_within
-from lightning_ckpt.profiling.profile_budget import AT_LIMIT, released, smaller_probes
+from lightning_ckpt.profiling.profile_budget import AT_LIMIT, SampleTooLong, released, smaller_probes
 from lightning_ckpt.profiling.state import preserved_state
 from lightning_ckpt.profiling.written_state import WrittenStateWatch
 from lightning_ckpt.profiling.tracker import storage_key, unique_storage_bytes
@@ -239,6 +239,10 @@ def measure_profile(
     sizes = [s for s in (*probe_batch_sizes, check_batch_size) if s is not None]
     if any(s < 1 for s in sizes) or len(set(probe_batch_sizes)) != 2:
         raise ValueError(f"probe batch sizes must be two different positive integers, got {probe_batch_sizes}.")
+    fixed = sharded_world_size(blocks) > 1
+    room = None if budget is None or fixed else budget.room_for(model, batch)
+    if n == 1:  # one sample: one pass on the whole batch; lengths are the engine's (`engine.length_profiles`)
+        return _one_sample_profile(model, blocks, step_fn, batch, names, timing and time_blocks, timing, rates, room)
     if max(sizes) > n:
         raise ValueError(
             f"the batch has {n} samples but profiling slices up to {max(sizes)}; pass a larger batch or "
@@ -248,10 +252,8 @@ def measure_profile(
     # same passes, and their bytes may differ a little (uneven shards, buffers the communication
     # thread frees when it gets to it), so no pass here may depend on them: the check is timed with
     # the probes and no larger check is added.
-    fixed = sharded_world_size(blocks) > 1
     timed = timing and time_blocks
     # sharded blocks: no rank's bytes may decide which passes run (see above), so no budget decides them
-    room = None if budget is None or fixed else budget.room_for(model, batch)
     probes, probe_batch_sizes, check_batch_size = _first_probes(
         model, blocks, step_fn, batch, tuple(probe_batch_sizes), check_batch_size, names, timed, room
     )
@@ -344,6 +346,26 @@ def _first_probes(
         )
         return _first_probes(model, blocks, step_fn, batch, shifted, check, names, timed, room, least=2)
     return probes, sizes, check  # type: ignore[return-value]
+
+
+def _one_sample_profile(
+    model: nn.Module, blocks: Sequence[nn.Module], step_fn: StepFn, batch: Any, names: Sequence[str] | None,
+    timed: bool, timing: bool, rates: MachineRates | None, room: SliceRoom | None,
+) -> Profile:
+    """The profile of a batch of one sample: one pass on it, within `room` (else `SampleTooLong`, the state
+    put back), as a profile at batch size 1 only (`Profile.one_size`)."""
+    try:
+        probe = probe_within(room, 1, _pass(model, blocks, step_fn, batch, 1, names, timed))
+    except NoRoom as short:
+        released()
+        raise SampleTooLong(short.reason) from None
+    if rates is None and timing:
+        from lightning_ckpt.profiling.rates import kept_rates
+
+        rates = kept_rates(**probe.meta["work"], max_bytes=None if room is None else room.usable_bytes)
+    if rates is not None:
+        probe = _with_rates(probe, rates)
+    return Profile(probes=(probe, probe), check=None)
 
 
 def _pass(

@@ -96,18 +96,46 @@ def length_of(shape: BatchShape, positions: Sequence[Position]) -> int | None:
     return sizes.pop() if len(sizes) == 1 else None
 
 
+def sequence_positions(shape: BatchShape) -> tuple[Position, ...]:
+    """The token dimension of a batch of one sequence, found in that batch alone: the size of dimension 1
+    most tensors of the batch (ids, labels, masks, position ids) share, at every dimension after the batch
+    one of a per-sample tensor where it occurs; () when no per-sample tensor has a dimension 1."""
+    n = shape.batch_size
+    per_sample = [s for s in shape.shapes if len(s) >= 2 and s[0] == n]
+    if not per_sample:
+        return ()
+    sizes = [s[1] for s in per_sample]
+    length = max(sizes, key=sizes.count)
+    return tuple(
+        (i, d) for i, s in enumerate(shape.shapes) if len(s) >= 2 and s[0] == n for d in range(1, len(s)) if s[d] == length
+    )
+
+
+def _cumulative_index(t: torch.Tensor, length: int) -> bool:
+    """Whether `t` is a 1-D integer index of where each packed example starts (`cu_seq_lens`): 0 first,
+    `length` last, never decreasing."""
+    if t.dim() != 1 or t.numel() < 2 or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        return False
+    return int(t[0]) == 0 and int(t[-1]) == length and bool((t[1:] >= t[:-1]).all())
+
+
 def slice_length(batch: Any, positions: Sequence[Position], length: int) -> Any:
     """The batch with every varying position cut to its first `length` entries (copied, so that
-    the slice owns its memory), tensors elsewhere unchanged."""
+    the slice owns its memory), tensors elsewhere unchanged, but for an index of where packed
+    examples start (`cu_seq_lens`: 0, ..., the full length), which is cut at `length` too."""
     by_tensor: dict[int, list[int]] = {}
     for i, d in positions:
         by_tensor.setdefault(i, []).append(d)
     index = iter(range(10**9))
+    full = length_of(shape_of(batch), positions) if positions else None
 
     def cut(t: torch.Tensor) -> torch.Tensor:
         k = next(index)
         dims = by_tensor.get(k)
         if not dims:
+            if full is not None and length < full and _cumulative_index(t, full):
+                kept = t[t < length]
+                return torch.cat([kept, kept.new_tensor([length])])
             return t
         for d in dims:
             t = t.narrow(d, 0, min(length, t.shape[d]))

@@ -62,6 +62,11 @@ class CheckpointHandle:
     def plans(self) -> dict[BatchShape, Plan]:
         return self.engine.plans
 
+    def longest_length(self) -> int | None:
+        """The longest sequence (or packed row) that fits the budget at the batch size of the last `step`
+        with the best plan, from the profiles alone; None when the length was never fitted."""
+        return self.engine.longest_length()
+
     @property
     def block_names(self) -> list[str]:
         return self.engine.block_names

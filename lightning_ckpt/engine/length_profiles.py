@@ -1,0 +1,142 @@
+"""A batch of one sequence costed along its tokens: the fit in the length, past the longest profiled one.
+
+A batch of one sample cannot be sliced along the batch, so it is profiled whole when that fits the
+budget and on prefixes of its sequence (`profiling.shapes.slice_length`) that do. Bytes and work
+are polynomials of degree at most 2 in the length (`planning.shape_profile`); a length past the
+longest profiled one is costed from that polynomial when its leave-one-out check holds, with the
+checked miss, grown with the square of how far the length goes past, held in reserve.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from lightning_ckpt.costs.block_costs import StepCost
+from lightning_ckpt.costs.linear_fit import Profile
+from lightning_ckpt.planning.policies import InfeasibleBudgetError
+from lightning_ckpt.planning.shape_profile import FIT_TOLERANCE, MIN_FIT_LENGTHS, ShapeProfile, checked_bytes
+from lightning_ckpt.profiling.profile_budget import MARGIN, SampleTooLong, released
+from lightning_ckpt.profiling.shapes import BatchShape
+
+FIRST_FRACTIONS = (0.25, 0.5, 0.75, 1.0)  # prefixes profiled first, shortest first: with the whole, a checked quadratic
+MORE_FRACTIONS = (0.375, 0.625, 0.875)  # and, when the whole does not fit, all of them that do
+EXTRAPOLATE = 2.0  # the fit may cost a length up to this many times the longest profiled one
+RoomFn = Callable[[], "int | None"]  # the bytes a profiling pass may hold (None: not known)
+
+
+def predicted_pass_bytes(passes: dict[int, int], length: int) -> int | None:
+    """The bytes a pass at `length` will hold, from the passes measured at shorter prefixes: the
+    polynomial of degree at most 2 through them, or from one pass in proportion to the square of the
+    length (attention's scores); None before any pass."""
+    if not passes:
+        return None
+    xs = sorted(passes)
+    longer = [passes[x] for x in xs if x >= length]
+    if longer:  # a shorter prefix holds at most what a longer one did
+        return min(longer)
+    if len(xs) == 1:
+        return int(math.ceil(passes[xs[0]] * (length / xs[0]) ** 2))
+    coef = np.polynomial.polynomial.polyfit(xs, [passes[x] for x in xs], min(2, len(xs) - 1))
+    return int(math.ceil(max(float(np.polynomial.polynomial.polyval(length, coef)), passes[xs[-1]])))
+
+
+def profile_lengths(
+    length: int, known: set, profile_at: Callable[[int], Profile], room_fn: RoomFn | None,
+) -> tuple[int, ...]:
+    """Profile a sequence of `length` tokens at prefixes (`profile_at`), shortest first, and whole last;
+    a length predicted not to fit the room (`MARGIN` held back) is not run, and the first that is stopped
+    at it (`SampleTooLong`) ends the longer ones. When the whole does not fit, more prefixes between
+    those that did are profiled, so that the fit past them is checked on enough lengths. -> the lengths
+    profiled."""
+    passes: dict[int, int] = {}
+    done: list[int] = []
+
+    def run(fractions: Sequence[float]) -> None:
+        for f in fractions:
+            x = max(1, int(round(length * f)))
+            if x in known or x in done:
+                continue
+            predicted, room = predicted_pass_bytes(passes, x), None if room_fn is None else room_fn()
+            if predicted is not None and room is not None and predicted * (1 + MARGIN) > room:
+                return
+            released()  # what the pass before left for the collector, freed before this one
+            try:
+                profile = profile_at(x)
+            except SampleTooLong:
+                return
+            passes[x] = int(profile.probes[0].meta.get("pass_bytes", 0))
+            done.append(x)
+
+    run(FIRST_FRACTIONS)
+    if length not in done:  # shortest first again, with those between: predicted from more passes now
+        run(sorted((*FIRST_FRACTIONS[:-1], *MORE_FRACTIONS)))
+    return tuple(sorted(done))
+
+
+def extrapolated(fitted: ShapeProfile | None, length: int) -> tuple[Callable[..., StepCost], str] | None:
+    """How to cost batch size 1 at `length`, longer than every profiled length, from `fitted`, and in
+    words; None when the fit is not checked within `FIT_TOLERANCE` or `length` is too far past it."""
+    if fitted is None or not fitted.lengths[-1] < length <= EXTRAPOLATE * fitted.lengths[-1]:
+        return None
+    err = fitted.fit_error(1)
+    if err is None or err > FIT_TOLERANCE:
+        return None
+    # [reserve] the checked miss (at least the tolerance), grown with the square of the distance past the data
+    share = max(err, FIT_TOLERANCE) * (length / fitted.lengths[-1]) ** 2
+
+    def cost_of(batch_size: int, **step_fields) -> StepCost:
+        cost = fitted.at(batch_size, length, **step_fields)
+        reserve = int(math.ceil(share * sum(checked_bytes(cost))))
+        return dataclasses.replace(cost, pre_saved_bytes=cost.pre_saved_bytes + reserve)
+
+    lengths = ", ".join(map(str, fitted.lengths))
+    source = (
+        f"extrapolated from lengths {lengths} at batch 1 (checked within {100 * err:.2f} %, "
+        f"{100 * share:.2f} % held in reserve)"
+    )
+    return cost_of, source
+
+
+def longest_length(family: Any, shape: BatchShape, fits: Callable[[Callable[..., StepCost], BatchShape], bool]) -> int | None:
+    """The longest length of the varying dimension of `family` (`engine.shape_plans.ShapeFamily`) at `shape`'s
+    batch size whose step `fits`, costed from the profiles alone (profiled, fitted, or extrapolated up to
+    `EXTRAPOLATE` times the longest profiled length); None when not even the shortest profiled one fits."""
+    fitted = family.shape_profile()
+    if fitted is None:
+        return None
+    positions = family.positions()
+
+    def at(x: int) -> BatchShape:
+        sizes = tuple(tuple(x if (i, d) in positions else n for d, n in enumerate(s)) for i, s in enumerate(shape.shapes))
+        return BatchShape(shape.batch_size, sizes)
+
+    def ok(x: int) -> bool:
+        found = family.cost_of(at(x))
+        return found is not None and fits(found[0], at(x))
+
+    lo, hi = fitted.lengths[0], int(EXTRAPOLATE * fitted.lengths[-1])
+    if not ok(lo):
+        return None
+    while lo < hi:  # [invariant] lo fits; a step's memory grows with the length, so halving finds the longest
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo
+
+
+def too_long(shape: BatchShape, length: int | None, profiled: Sequence[int], why_not: str | None) -> InfeasibleBudgetError:
+    """The error for a batch of one sample that could not be costed: too long to profile whole within
+    the budget, with too few prefixes that fit (or none could be cut)."""
+    got = f"only the prefixes of length(s) {', '.join(map(str, profiled))} fit" if profiled else "no prefix of it fit"
+    need = f"at least {MIN_FIT_LENGTHS} prefixes up to 1/{EXTRAPOLATE:g} of its length"
+    extra = f" (prefixes could not be cut: {why_not})" if why_not else ""
+    return InfeasibleBudgetError(
+        f"the training batch of one sample ({shape.describe()}, length {length}) does not fit the room the memory "
+        f"budget leaves profiling without checkpointing, and {got}{extra}; costing it from its prefixes needs "
+        f"{need} to fit, so that a quadratic in the length can be fitted and checked. Raise memory_budget or "
+        "train on shorter sequences."
+    )
