@@ -417,7 +417,8 @@ def test_keep_ops_exposed_and_remove_restores_modules():
     for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         clone(batches(1)[0][0]).sum().backward()
         assert all(p.grad is not None for p in clone.parameters())
-        segment = next(iter(clone.blocks[0]._forward_pre_hooks.values())).__self__
+        hooks = next(iter(clone.blocks[0]._forward_pre_hooks.values())).__self__
+        segment = hooks.by_entry[0][0]
         assert segment.selective.keys == frozenset(matmuls) and segment.blocks[0] is clone.blocks[0]
     handle.remove()
     assert handle.keep_ops == {} and not handle.active

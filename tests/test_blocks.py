@@ -6,6 +6,7 @@ import pytest
 import torch
 from models import TinyChain, TinyCNN, tokens_batch
 
+from lightning_ckpt.profiling.block_calls import call_chain
 from lightning_ckpt.profiling.blocks import candidate_containers, resolve_blocks
 from lightning_ckpt.profiling.profiler import probe_step
 
@@ -39,7 +40,7 @@ def test_bad_block_specs(blocks, match):
         resolve_blocks(TinyCNN(n_blocks=3), blocks)
 
 
-def test_blocks_listed_out_of_call_order_are_refused():
+def test_blocks_listed_out_of_call_order_are_refused_by_the_probe_and_ordered_by_call_chain():
     model = TinyChain(n_blocks=3)
     _, names, mods = resolve_blocks(model, ["blocks.1", "blocks.0", "blocks.2"])
 
@@ -47,8 +48,11 @@ def test_blocks_listed_out_of_call_order_are_refused():
         x, y = batch
         return torch.nn.functional.cross_entropy(model(x), y)
 
-    with pytest.raises(ValueError, match=r"block 'blocks.0' ran when block 'blocks.1' was expected"):
+    with pytest.raises(ValueError, match=r"block call 'blocks.0' ran when 'blocks.1' was expected"):
         probe_step(model, mods, step, tokens_batch(), names, timing=False)
+    # the front ends read the chain of calls off the step first: in call order
+    order, call_names_ = call_chain(model, mods, names, step, tokens_batch())
+    assert call_names_ == ["blocks.0", "blocks.1", "blocks.2"] and order == list(model.blocks)
 
 
 def _tiny_bert_classifier() -> torch.nn.Module:

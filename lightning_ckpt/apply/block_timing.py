@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_map
 from lightning_ckpt.apply.segments import apply_segments
 from lightning_ckpt.planning.timing_fit import BlockTiming
 from lightning_ckpt.profiling.batch import first_tensor
+from lightning_ckpt.profiling.block_calls import CallSites, hook_calls
 from lightning_ckpt.profiling.rates import TinyOpsBlock, count_op_calls, step_clock
 from lightning_ckpt.profiling.state import preserved_state
 
@@ -71,15 +72,14 @@ def capture_block_calls(
     run it under `preserved_state`."""
     wanted = set(indices)
     found: dict[int, BlockCall] = {}
-    handles = []
-    for i in wanted:
 
-        def pre(module, args, kwargs, i=i):
+    def pre(i, module, args, kwargs):
+        if i in wanted:
             found.setdefault(i, BlockCall(_copy(tuple(args)), _copy(dict(kwargs)), autocast_now()))
-            if len(found) == len(wanted):
-                raise _AllCaptured
+        if len(found) == len(wanted):
+            raise _AllCaptured
 
-        handles.append(blocks[i].register_forward_pre_hook(pre, with_kwargs=True))
+    handles = hook_calls(CallSites(blocks, grad_only=False), pre, with_kwargs=True)  # every call counts: no grad
     try:
         with torch.no_grad():
             step_fn(batch)

@@ -33,6 +33,7 @@ from lightning_ckpt.apply.selective import SelectiveKeep, validate_keep_ops
 from lightning_ckpt.apply.state_guard import Stacked, StateGuard, StateRestore
 from lightning_ckpt.planning.nested_model import validate_nested
 from lightning_ckpt.profiling.applied_marks import mark, refuse_marked
+from lightning_ckpt.profiling.block_calls import CallSites
 from lightning_ckpt.profiling.chain_check import receives_output, tensor_version
 
 __all__ = ["AppliedPlan", "apply_plan", "apply_segments"]
@@ -82,7 +83,7 @@ class _Segment:
         self._calls: list[tuple[tuple, dict]] = []
         self._last_out: Any = None
         self._last_version: int | None = None
-        self._handles: list[Any] = []
+        self.sites: CallSites | None = None  # the plan's, set by `_CallHooks`
 
     @property
     def enabled(self) -> bool:
@@ -105,22 +106,21 @@ class _Segment:
     # extra arguments each later block received in that same forward (`calls`), all as the
     # caller passed them. Each block is called as a module, so every other hook on it runs
     # once, as in the forward (a user's pre-hook transforms the input once; under ZeRO-3,
-    # DeepSpeed gathers the block's parameters and re-wraps its input and output).
+    # DeepSpeed gathers the block's parameters and re-wraps its input and output). The plan's
+    # hooks are told which block call each one repeats (`CallSites.cursor`).
     def recompute(self, calls: list, *args: Any, **kwargs: Any) -> Any:
+        self.sites.cursor = self.first_index
         out = self.blocks[0](*args, **kwargs)
         for k, blk in enumerate(self.blocks[1:], start=1):
             rest, kw = calls[k]
+            self.sites.cursor = self.first_index + k
             out = blk(_first_tensor(out), *rest, **kw)
         return out
 
-    # -- hooks
-    def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        late = self._behind_other_pre_hook(module)
-        # forward hooks registered after the plan's move behind the ones closing regions, before they run
-        put_last(module._forward_hooks, _own_hooks(module._forward_hooks, "post_hook"))
+    # -- the plan's hooks (`_CallHooks`) hand each block call of the segment to these, with its position k
+    def enter(self, k: int, module: nn.Module, args: tuple, kwargs: dict, late: bool) -> None:
         if not self.enabled:
             return
-        k = self._position(module)
         if k == 0:
             if self._gen is not None:
                 self._abandon()
@@ -138,7 +138,7 @@ class _Segment:
                     "effect would be applied twice in the recompute; this call runs without checkpointing that "
                     "segment and the segment's hook is moved in front for the next calls. Register such hooks "
                     "before applying the plan to avoid this.",
-                    stacklevel=2,
+                    stacklevel=3,
                 )
                 return
             self._calls = [((), {})] * len(self.blocks)
@@ -153,6 +153,7 @@ class _Segment:
                 # the region did not open: e.g. an enclosing segment's recompute stops early (torch's
                 # early stop) once it has saved this region's input, from inside this pre-hook
                 self._gen = None
+                self._calls = []
                 raise
             return
         if self._gen is None:
@@ -175,16 +176,14 @@ class _Segment:
             )
         self._calls[k] = (tuple(args[1:]), dict(kwargs))
 
-    def post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
-        # pre-hooks registered in front of the plan's after it was applied go behind them from the next call
-        put_first(module._forward_pre_hooks, _own_hooks(module._forward_pre_hooks, "pre_hook"))
+    def leave(self, k: int, output: Any) -> None:
         if not self.enabled or self._gen is None:
             return
-        k = self._position(module)
         if k == len(self.blocks) - 1:
             gen, self._gen = self._gen, None
             self._last_out = None
             self._last_version = None
+            self._calls = []  # the recompute holds its own reference until the backward: nothing outlives the step
             try:
                 next(gen)
             except StopIteration:
@@ -195,40 +194,17 @@ class _Segment:
             self._last_out = _first_tensor(output)
             self._last_version = tensor_version(self._last_out)
 
-    def _behind_other_pre_hook(self, module: nn.Module) -> bool:
-        """Whether a pre-hook other than the plan's ran before this segment's on this call."""
-        hooks = module._forward_pre_hooks
-        mine = next((hid for hid, h in hooks.items() if getattr(h, "__self__", None) is self), None)
-        return mine is not None and stands_behind(hooks, mine, _own_hooks(hooks, "pre_hook"))
+    def detach(self) -> None:
+        """Drop a region left open (the plan's hooks are removed by `_CallHooks.detach`)."""
+        self._abandon()
 
     def _abandon(self) -> None:
         gen, self._gen = self._gen, None
         self._last_out = None
         self._last_version = None
+        self._calls = []
         if gen is not None:
             gen.close()
-
-    def _position(self, module: nn.Module) -> int:
-        for k, blk in enumerate(self.blocks):
-            if blk is module:
-                return k
-        raise AssertionError("hook called for a module outside its segment")
-
-    def attach(self) -> None:
-        # the pre-hook in front of every other (the caller's arguments), the forward hook after every
-        # other (the output the caller receives); among the plan's own, an enclosing segment opens first
-        # and closes last
-        for blk in self.blocks:
-            self._handles.append(blk.register_forward_pre_hook(self.pre_hook, prepend=True, with_kwargs=True))
-            self._handles.append(blk.register_forward_hook(self.post_hook, always_call=True))
-            put_first(blk._forward_pre_hooks, _own_hooks(blk._forward_pre_hooks, "pre_hook"))
-            put_last(blk._forward_hooks, _own_hooks(blk._forward_hooks, "post_hook"))
-
-    def detach(self) -> None:
-        self._abandon()
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -239,16 +215,75 @@ class _Segment:
         return state
 
 
-def _own_hooks(hooks: Mapping[int, Any], name: str) -> dict[int, tuple[int, int]]:
-    """The segments' hooks called `name` among `hooks`, by id, ranked so that an enclosing segment's
-    pre-hook runs before its inner segments' and its forward hook after theirs."""
-    ranks = {}
-    for hid, hook in hooks.items():
-        seg = getattr(hook, "__self__", None)
-        if isinstance(seg, _Segment) and getattr(hook, "__name__", "") == name:
-            first, last = seg.span
-            ranks[hid] = (first, -last) if name == "pre_hook" else (-first, last)
-    return ranks
+class _CallHooks:
+    """The applied plan's hooks: one forward pre-hook and one forward hook per block module, which
+    tell each block call its entry in the chain (`CallSites`: counted from `new_step`, or named by
+    a recompute) and hand it to the segments that hold it, an enclosing segment first on the way in
+    and last on the way out. The pre-hook runs before every other pre-hook of the module, the
+    forward hook after every other forward hook (`hook_order`)."""
+
+    def __init__(self, blocks: Sequence[nn.Module], segments: Sequence[_Segment], running: list[Span]) -> None:
+        self.sites = CallSites(blocks)
+        self.running = running
+        self.by_entry: list[list[_Segment]] = [[] for _ in blocks]
+        for seg in sorted(segments, key=lambda g: (g.span[0], -g.span[1])):
+            seg.sites = self.sites
+            for k in range(seg.span[0], seg.span[1] + 1):
+                self.by_entry[k].append(seg)
+        self._stacks: dict[nn.Module, list] = {}  # modules as keys: a deep copy maps them to its own
+        self._handles: list[Any] = []
+        self._pre_ids: dict[nn.Module, int] = {}
+        self._post_ids: dict[nn.Module, int] = {}
+
+    def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        hooks = module._forward_pre_hooks
+        mine = self._pre_ids.get(module)
+        late = mine is not None and stands_behind(hooks, mine, {mine: 0})
+        # forward hooks registered after the plan's move behind its hook, before they run
+        post = self._post_ids.get(module)
+        if post is not None:
+            put_last(module._forward_hooks, {post: 0})
+        k = self.sites.next_call(module)
+        self._stacks.setdefault(module, []).append(k)
+        if k is None:
+            return
+        for seg in self.by_entry[k]:
+            seg.enter(k - seg.first_index, module, args, kwargs, late)
+
+    def post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        # pre-hooks registered in front of the plan's after it was applied go behind it from the next call
+        mine = self._pre_ids.get(module)
+        if mine is not None:
+            put_first(module._forward_pre_hooks, {mine: 0})
+        stack = self._stacks.get(module)
+        k = stack.pop() if stack else None
+        if k is None:
+            return
+        for seg in reversed(self.by_entry[k]):
+            seg.leave(k - seg.first_index, output)
+
+    def new_step(self) -> dict[nn.Module, tuple[int, int]]:
+        """Count block calls from the start again (a training step begins). -> the modules whose calls with
+        grad in the step that ended (when one ran) differ from the chain's: module -> (calls, entries)."""
+        odd = {
+            m: (self.sites.count.get(m, 0), len(ks)) for m, ks in self.sites.entries.items()
+            if self.sites.count and self.sites.count.get(m, 0) != len(ks)
+        }
+        self.sites.reset()
+        return odd
+
+    def attach(self, modules: Sequence[nn.Module]) -> None:
+        for m in modules:
+            pre = m.register_forward_pre_hook(self.pre_hook, prepend=True, with_kwargs=True)
+            post = m.register_forward_hook(self.post_hook, always_call=True)
+            self._handles += [pre, post]
+            self._pre_ids[m], self._post_ids[m] = pre.id, post.id
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._stacks.clear()
 
 
 class _RecomputeContext:
@@ -291,14 +326,19 @@ class AppliedPlan:
         keep_ops: dict[int, frozenset[tuple[str, int]]] | None = None,
         inner_segments: list[Span] | None = None,
         marked_blocks: Sequence[nn.Module] = (),
+        hooks: _CallHooks | None = None,
     ) -> None:
         self._segments = segments
+        self._hooks = hooks
         self._marked = list(marked_blocks)  # blocks marked as running under this plan (`applied_marks`)
         self.segments = spans
         self.inner_segments = inner_segments or []
         self.keep_ops = keep_ops or {}  # block index -> the op-call keys kept (an empty set: plain checkpointing)
 
     def remove(self) -> None:
+        if self._hooks is not None:
+            self._hooks.detach()
+            self._hooks = None
         for seg in self._segments:
             seg.detach()
         mark(self._marked, False)
@@ -311,6 +351,12 @@ class AppliedPlan:
     @property
     def active(self) -> bool:
         return bool(self._segments)
+
+    def new_step(self) -> dict[nn.Module, tuple[int, int]]:
+        """A training step begins: block calls are counted from the first again (each call of a module
+        called several times per step is its own entry). -> for the step that ended, the modules
+        called with grad another number of times than the chain has entries: (calls, entries)."""
+        return {} if self._hooks is None else self._hooks.new_step()
 
 
 def apply_segments(
@@ -347,19 +393,20 @@ def apply_segments(
     keeps = validate_keep_ops(keep_ops, spans, len(blocks), inner)
     running: list[Span] = []
     objs = []
-    # on a shared first block the parent's pre-hook runs first and on a shared last block the child's
-    # post-hook runs first, whatever the order of registration (`_own_hooks` ranks them)
+    # on a shared first block the parent opens first and on a shared last block the child closes first
     everything = sorted(spans + inner, key=lambda s: (s[0], -s[1]))
     for a, b in everything:
         selective = SelectiveKeep(a, keeps[a]) if keeps.get(a) and a == b else None
         ancestors = [s for s in everything if s[0] <= a and b <= s[1] and s != (a, b)]
-        seg = _Segment(
+        objs.append(_Segment(
             blocks[a : b + 1], a, guard_batchnorm, determinism_check, early_stop, selective, running, ancestors
-        )
-        seg.attach()
-        objs.append(seg)
-    mark([blocks[i] for a, b in spans for i in range(a, b + 1)], True)
-    return AppliedPlan(objs, spans, keeps, inner, marked_blocks=[blocks[i] for a, b in spans for i in range(a, b + 1)])
+        ))
+    hooks = _CallHooks(blocks, objs, running)
+    in_plan = {id(blocks[i]) for a, b in spans for i in range(a, b + 1)}
+    hooks.attach([m for m in hooks.sites.modules if id(m) in in_plan])
+    marked = [m for m in hooks.sites.modules if id(m) in in_plan]
+    mark(marked, True)
+    return AppliedPlan(objs, spans, keeps, inner, marked_blocks=marked, hooks=hooks)
 
 
 def apply_plan(

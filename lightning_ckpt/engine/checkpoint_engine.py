@@ -39,6 +39,7 @@ from lightning_ckpt.profiling.shapes import BatchShape, shape_of
 from lightning_ckpt.profiling.static_memory import StaticMemory
 from lightning_ckpt.engine.shape_plans import CostSource, ShapeDecision, ShapePlans, largest_shape, same_regions
 from lightning_ckpt.engine.shape_plans import describe as describe_decision
+from lightning_ckpt.engine.step_calls import new_step, read_calls
 
 
 class CheckpointEngine:
@@ -68,6 +69,9 @@ class CheckpointEngine:
         self.reserves = Reserves()  # budget held back per shape for memory a measured step showed (`measured`)
         self._held_batch_bytes = 0  # the batch whose prefixes are profiled (`_profile_budget`)
         self._accumulating: bool | None = None  # the driver's `grads_accumulate` the cached plans were made under
+        self._bound: list | None = None  # `block_signature` of the modules `bind` was given
+        self._calls_read = False  # whether `blocks` is the chain of calls read off a step (`_read_calls`)
+        self._odd_calls_told = False
 
     # ------------------------------------------------------------------ binding and state
 
@@ -81,12 +85,15 @@ class CheckpointEngine:
         off until `close` (`engine.model_prep.prepare_model`: HF's `use_cache`, HF's own checkpointing)."""
         self.close()
         signature = block_signature(names, blocks)
-        if self._shapes is None or signature != self.signature:  # other blocks: what was profiled is void
+        if self._shapes is None or signature != self._bound:  # other blocks: what was profiled is void
             self.profile, self._costs, self._cost = None, {}, None
             self._shapes = ShapePlans(self._profile_shape, self._plan_shape, room_fn=self._pass_room)
+            self._calls_read = False
         self._shapes.forget_plans()
         self.settings = settings or self.settings
-        self.blocks, self.block_names, self.signature = list(blocks), list(names), signature
+        self._bound = signature
+        if not self._calls_read:
+            self.blocks, self.block_names, self.signature = list(blocks), list(names), signature
         self._static, self.shape = None, None
         if model is not None:
             self._prepared = prepare_model(
@@ -159,6 +166,7 @@ class CheckpointEngine:
         """Profile `batch` and plan the largest batch (a multiple of `batch_multiple`) whose plan fits;
         nothing is applied: batches come at that size and are planned when they arrive."""
         self._require_bound()
+        self._read_calls(batch)
         self._find_max = True
         try:
             plan = self._plan_everywhere(batch, 0, [shape_of(batch)]).plan
@@ -173,6 +181,8 @@ class CheckpointEngine:
 
         Collective on several ranks: every rank calls it at every step (the shapes are gathered)."""
         self._require_bound()
+        self._read_calls(batch)
+        self._new_step()
         self._follow_accumulation()
         shapes = self.driver.all_gather(shape_of(batch))  # every rank's, so that all decide alike
         shape = shapes[0] if len(set(shapes)) == 1 else largest_shape(shapes)
@@ -186,6 +196,7 @@ class CheckpointEngine:
         """Profile `batch` (every rank) without planning: plans at other batch sizes of its shape
         come from this profile (`step_shape`)."""
         self._require_bound()
+        self._read_calls(batch)
         self.remove()
         shape = shape_of(batch)
         if shape not in self._shapes.profiled_shapes:
@@ -195,6 +206,7 @@ class CheckpointEngine:
         """Make the plan for `shape` the applied one, from what was profiled (no batch needed: a
         profiled shape at another batch size); None when it already is."""
         self._require_bound()
+        self._new_step()
         self._follow_accumulation()
         if self._in_place(shape):
             return None
@@ -227,6 +239,12 @@ class CheckpointEngine:
                 f"{'> 1' if now else '= 1'}): the {n} plan(s) made {'without' if now else 'with'} the gradients of "
                 "earlier micro-batches alive in each step are dropped; each batch shape is planned again."
             )
+
+    def _read_calls(self, batch: Any) -> None:
+        read_calls(self, batch)
+
+    def _new_step(self) -> None:
+        new_step(self)
 
     def _require_bound(self) -> None:
         if self._shapes is None:

@@ -60,6 +60,11 @@ class StepDriver(Protocol):
         """One profile of the step on slices of `batch`, every state put back (`time_blocks`: each
         block's forward timed too; `budget`: every pass within it, `profiling.profile_budget`)."""
 
+    def call_chain(
+        self, batch: Any, modules: list[torch.nn.Module], names: list[str]
+    ) -> tuple[list[torch.nn.Module], list[str]]:
+        """The chain of calls one step on `batch` makes of `modules` (`profiling.block_calls.call_chain`)."""
+
     def static_memory(self) -> StaticMemory: ...
 
     def broadcast(self, obj: Any) -> Any:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_ckpt.profiling.block_calls import CallSites, hook_calls
 from lightning_ckpt.profiling.tracker import LiveBytesTracker
 
 __all__ = ["nosave_forward_peaks", "time_blocks"]
@@ -28,18 +29,15 @@ def nosave_forward_peaks(blocks: Sequence[nn.Module], step_fn: StepFn, batch: An
     peaks = [0] * len(blocks)
     entry = [0] * len(blocks)
     tracker = LiveBytesTracker()
-    handles = []
-    for i, b in enumerate(blocks):
 
-        def pre(module, args, i=i):
-            entry[i] = tracker.live_bytes
-            tracker.reset_peak()
+    def pre(i, module, args):
+        entry[i] = tracker.live_bytes
+        tracker.reset_peak()
 
-        def post(module, args, out, i=i):
-            peaks[i] = max(0, tracker.peak_bytes - entry[i])
+    def post(i, module, args, out):
+        peaks[i] = max(0, tracker.peak_bytes - entry[i])
 
-        handles.append(b.register_forward_pre_hook(pre))
-        handles.append(b.register_forward_hook(post))
+    handles = hook_calls(CallSites(blocks, grad_only=False), pre, post)  # every call counts: no grad here
     try:
         with torch.no_grad(), tracker:
             step_fn(batch)
@@ -53,17 +51,14 @@ def time_blocks(model: nn.Module, blocks: Sequence[nn.Module], step_fn: StepFn, 
     """Forward wall time of each block (ms), measured in a plain forward without grad."""
     times = [0.0] * len(blocks)
     starts = [0.0] * len(blocks)
-    handles = []
-    for i, b in enumerate(blocks):
 
-        def pre(module, args, i=i):
-            starts[i] = time.perf_counter()
+    def pre(i, module, args):
+        starts[i] = time.perf_counter()
 
-        def post(module, args, out, i=i):
-            times[i] = (time.perf_counter() - starts[i]) * 1e3
+    def post(i, module, args, out):
+        times[i] = (time.perf_counter() - starts[i]) * 1e3
 
-        handles.append(b.register_forward_pre_hook(pre))
-        handles.append(b.register_forward_hook(post))
+    handles = hook_calls(CallSites(blocks, grad_only=False), pre, post)
     try:
         with torch.no_grad():
             step_fn(batch)

@@ -109,14 +109,15 @@ class Probe:
         self.live_exit = [0] * n
 
     # forward
-    def pre_hook(self, module, args, kwargs):
-        i = self._index(module)
+    def pre_hook(self, i, module, args, kwargs):
         if i != self.next_block:
             names = self.names
+            expected = names[self.next_block] if self.next_block < self.n else "none (every block call was made)"
             raise ValueError(
-                f"block {names[i]!r} ran when block {names[self.next_block] if self.next_block < self.n else 'none'!r} "
-                "was expected: the blocks must be listed in the order the forward calls them, each once per step. "
-                "Reorder blocks, or name a container whose children run in order."
+                f"block call {names[i]!r} ran when {expected!r} was expected: this step calls the blocks in another "
+                "order than the step the chain of calls was read from (each block call is one entry, in call order). "
+                "A step must call the blocks in the same order every time; name blocks whose calls do not depend "
+                "on the batch."
             )
         self.next_block = i + 1
         if i > 0:
@@ -156,8 +157,7 @@ class Probe:
         in a pre-hook of its own, which runs after `pre_hook` (first of all) and before this one (last)."""
         self.param_ids.update(id(p) for p in module.parameters())
 
-    def post_hook(self, module, args, output):
-        i = self._index(module)
+    def post_hook(self, i, module, args, output):
         out = first_tensor(output)
         self.prev_output = out if i + 1 < self.n else None
         if i + 1 == self.n:
@@ -326,12 +326,6 @@ class Probe:
         if self.post_fwd_peak is not None:
             self.post_fwd_peak += held_rise(led, t0, forward_end, held)
         self.post_peak += held_rise(led, t0, self.post_end_tick, held)
-
-    def _index(self, module) -> int:
-        for k, b in enumerate(self.blocks):
-            if b is module:
-                return k
-        raise AssertionError("hook on a module that is not a block")
 
 
 def _minus(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:

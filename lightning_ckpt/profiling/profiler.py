@@ -29,6 +29,7 @@ from lightning_ckpt.costs.linear_fit import Profile, refit_without_smallest
 from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.profiling.applied_marks import refuse_marked
 from lightning_ckpt.profiling.batch import batch_size_of, slice_batch, tensors_in
+from lightning_ckpt.profiling.block_calls import CallSites, distinct, hook_calls
 from lightning_ckpt.profiling.forward_hazards import PythonStateWatch
 from lightning_ckpt.profiling.forward_passes import nosave_forward_peaks as _nosave_forward_peaks
 from lightning_ckpt.profiling.forward_passes import time_blocks as _time_blocks
@@ -49,6 +50,17 @@ MAX_REFITS = 2  # how often profiling leaves its smallest slice out and checks o
 
 def _grad_bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
+
+def _entry_grad_bytes(blocks: Sequence[nn.Module]) -> list[int]:
+    """Per entry, the gradient bytes its backward makes first: a module called several times gets its
+    gradients at the backward of its last call (the first to run), none at the others'."""
+    out = [0] * len(blocks)
+    last = {id(b): i for i, b in enumerate(blocks)}
+    for i, b in enumerate(blocks):
+        if last[id(b)] == i:
+            out[i] = _grad_bytes(b)
+    return out
 
 
 def probe_step(
@@ -81,11 +93,10 @@ def probe_step(
         probe = Probe(model, blocks, tracker, flops, names, work, batch_keys, OpProfileRecorder())
         handles = _watch_python_state(blocks, watch := PythonStateWatch(len(blocks)))
         handles += _watch_written_state(blocks, written := WrittenStateWatch(len(blocks)))
-        for b in blocks:
-            # the probe's window holds the whole block call, as an applied plan's region does (`probe_hooks`)
-            handles.append(b.register_forward_pre_hook(probe.pre_hook, prepend=True, with_kwargs=True))
-            handles.append(b.register_forward_pre_hook(probe.parameters_seen))
-            handles.append(b.register_forward_hook(probe.post_hook, always_call=True))
+        # the probe's window holds the whole block call, as an applied plan's region does (`probe_hooks`)
+        sites = CallSites(blocks, names=names)
+        handles += hook_calls(sites, probe.pre_hook, probe.post_hook, with_kwargs=True, prepend=True, strict=True)
+        handles += [b.register_forward_pre_hook(probe.parameters_seen) for b in distinct(blocks)]
         try:
             with tracker:
                 with torch.autograd.graph.saved_tensors_hooks(probe.pack, probe.unpack):
@@ -101,8 +112,10 @@ def probe_step(
                 backward_end = tracker.ledger.mark()
             if probe.next_block != probe.n:
                 raise ValueError(
-                    f"only {probe.next_block} of the {probe.n} blocks ran in the step (the first missing is "
-                    f"{names[probe.next_block]!r}); every listed block must run once per training step."
+                    f"only {probe.next_block} of the {probe.n} block calls ran in the step (the first missing is "
+                    f"{names[probe.next_block]!r}); every block call of the chain must run in every training step. "
+                    "A model that skips layers at random in training (LayerDrop) is profiled with skipping off; "
+                    "a block that runs only for some batches cannot be one: leave it out of blocks=[...]."
                 )
         finally:
             for h in handles:
@@ -113,7 +126,8 @@ def probe_step(
         terms, gaps, late = probe.account_carried(model, forward_end, backward_end, ckpt_peaks, outside)
         probe.hold_in_head(terms.carried, forward_end)
 
-    outside_grad = _grad_bytes(model) - sum(_grad_bytes(b) for b in blocks)
+    entry_grads = _entry_grad_bytes(blocks)
+    outside_grad = _grad_bytes(model) - sum(entry_grads)
     room = max(0, outside_grad)  # parameters shared by two blocks count twice in the blocks' sum
     for i, nbytes in enumerate(late):
         late[i] = min(nbytes, room)
@@ -131,7 +145,7 @@ def probe_step(
             fwd_transient_bytes=probe.fwd_transient[i],
             ckpt_fwd_peak_bytes=ckpt_peaks[i],
             bwd_transient_bytes=probe.bwd_transient[i],
-            grad_bytes=_grad_bytes(blocks[i]),
+            grad_bytes=entry_grads[i],
             fwd_flops=int(probe.fwd_flops[i]),
             tail_flops=int(probe.fwd_flops[i] - (probe.flops_at_last_pack[i] - probe.flops_at_entry[i])),
             fwd_mem_bytes=probe.fwd_work[i][0],
@@ -165,22 +179,16 @@ def probe_step(
 
 
 def _watch_python_state(blocks: Sequence[nn.Module], watch: PythonStateWatch) -> list:
-    """Hooks that record the Python state each block's forward writes (`PythonStateWatch`)."""
-    handles = []
-    for i, b in enumerate(blocks):
-        handles.append(b.register_forward_pre_hook(lambda _m, _args, i=i, b=b: watch.before(i, b)))
-        handles.append(b.register_forward_hook(lambda _m, _args, _out, i=i: watch.after(i), always_call=True))
-    return handles
+    """Hooks that record the Python state each block call writes (`PythonStateWatch`)."""
+    return hook_calls(CallSites(blocks), lambda i, m, _args: watch.before(i, m), lambda i, _m, _a, _o: watch.after(i))
 
 
 def _watch_written_state(blocks: Sequence[nn.Module], watch: WrittenStateWatch) -> list:
-    """Hooks that record the module state each block's forward writes (`WrittenStateWatch`): first
+    """Hooks that record the module state each block call writes (`WrittenStateWatch`): first
     and last of the block's hooks, so a hook of the block's own that writes state counts too."""
-    handles = []
-    for i, b in enumerate(blocks):
-        handles.append(b.register_forward_pre_hook(lambda _m, _args, i=i, b=b: watch.before(i, b), prepend=True))
-        handles.append(b.register_forward_hook(lambda _m, _args, _out, i=i: watch.after(i), always_call=True))
-    return handles
+    return hook_calls(
+        CallSites(blocks), lambda i, m, _args: watch.before(i, m), lambda i, _m, _a, _o: watch.after(i), prepend=True
+    )
 
 
 def _as_loss(out: Any) -> torch.Tensor:

@@ -4,14 +4,15 @@ While the callback profiles, every optimizer's `step` and `zero_grad` (Lightning
 the optimizers they wrap) and every lr scheduler's `step` do nothing, so neither the model nor
 Lightning's progress counters (`global_step`) move; optimizer and scheduler state, `requires_grad`
 flags and the rest of `profiling.state` come back as found on every path. Under manual optimization
-`manual_backward` records its loss instead of running backward: the profiler runs that backward itself.
+`manual_backward` records its losses instead of running backward: the profiler runs one backward through
+all of them itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -23,10 +24,7 @@ StepFn = Callable[[Any], Any]
 
 
 @contextlib.contextmanager
-def held_training(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, blocks: Sequence[torch.nn.Module], names: Sequence[str],
-    step_fn: StepFn,
-) -> Iterator[StepFn]:
+def held_training(trainer: pl.Trainer, pl_module: pl.LightningModule, step_fn: StepFn) -> Iterator[StepFn]:
     """-> the step function to profile: `step_fn`, or under manual optimization `step_fn` with
     `manual_backward` recorded (`ManualStep`). Inside, optimizer and scheduler steps are no-ops;
     on exit everything is as found, and a parameter written in place raises."""
@@ -39,7 +37,7 @@ def held_training(
         if pl_module.automatic_optimization:
             yield step_fn
         else:
-            yield stack.enter_context(_manual_step(pl_module, blocks, names, step_fn))
+            yield stack.enter_context(_manual_step(step_fn, pl_module))
 
 
 # ----------------------------------------------------------------------------- optimizers and schedulers
@@ -148,78 +146,39 @@ def _held_schedulers(trainer: pl.Trainer) -> Iterator[None]:
 # ----------------------------------------------------------------------------- manual optimization
 
 
-def _several_passes_error(what: str) -> ValueError:
-    """The refusal of a training step with more than one forward/backward through the blocks."""
-    return ValueError(
-        f"training_step {what} (several forward/backward passes, as GANs do); lightning-ckpt plans one forward "
-        "and one backward through the blocks per step, so it cannot plan this step. List with blocks=[...] only "
-        "the blocks of the one network whose forward runs once per step, with one manual_backward call per "
-        "step, or checkpoint by hand with torch.utils.checkpoint and remove the ActivationCheckpointing callback."
-    )
-
-
 class ManualStep:
     """`step_fn` of a manually optimized module, made profilable: `backward` stands in for
-    `manual_backward` and records the loss; a call returns that loss, so the profiler runs the
-    backward itself. A step that calls `manual_backward` more than once or runs a block twice
-    (`block_ran`) is refused; one that neither calls it nor returns a loss is too."""
+    `manual_backward` and records each loss; a call returns their sum, so the profiler runs one
+    backward through every pass of the step (a GAN's generator and discriminator passes, each its own
+    `manual_backward`). Their graphs are then alive together, which the real step, with a backward
+    after each pass, never exceeds. A step that neither calls it nor returns a loss is refused."""
 
-    def __init__(self, step_fn: StepFn, names: Sequence[str]) -> None:
+    def __init__(self, step_fn: StepFn) -> None:
         self.step_fn = step_fn
-        self.names = list(names)
         self.losses: list[Any] = []
-        self.runs = [0] * len(self.names)
-        self.active = False
-        self.checks: list[tuple[torch.nn.Module, int]] = []  # (block, id of its `block_ran` pre-hook)
 
     def backward(self, loss: Any, *args: Any, **kwargs: Any) -> None:
-        self.losses.append(loss)
-
-    def block_ran(self, i: int) -> None:
-        if not self.active:  # a block run on its own (keep calibration), not inside a step
-            return
-        self.runs[i] += 1
-        if self.runs[i] > 1:
-            raise _several_passes_error(f"runs block {self.names[i]!r} more than once per step")
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            self.losses.append(loss)
 
     def __call__(self, batch: Any) -> Any:
-        self.losses, self.runs, self.active = [], [0] * len(self.names), True
-        for block, hid in self.checks:  # before the profiler's own block hooks, put in front since
-            if hid in block._forward_pre_hooks:  # (a block run twice is a second pass, not a wrong order)
-                block._forward_pre_hooks.move_to_end(hid, last=False)
-        try:
-            out = self.step_fn(batch)
-        finally:
-            self.active = False
+        self.losses = []
+        out = self.step_fn(batch)
         losses, self.losses = self.losses, []
-        if len(losses) > 1:
-            raise _several_passes_error(f"calls manual_backward {len(losses)} times per step")
         if losses:
-            return losses[0]
+            return losses[0] if len(losses) == 1 else sum(loss.sum() for loss in losses[1:]) + losses[0].sum()
         if out is None:
             raise ValueError(
                 "training_step (automatic_optimization=False) neither called self.manual_backward(loss) nor "
                 "returned a loss; lightning-ckpt profiles the step's forward and backward, so it needs the loss. "
-                "Call self.manual_backward(loss) once per step, or return the loss."
+                "Call self.manual_backward(loss) in the step, or return the loss."
             )
         return out  # checked as a loss by the profiler
 
 
 @contextlib.contextmanager
-def _manual_step(
-    pl_module: pl.LightningModule, blocks: Sequence[torch.nn.Module], names: Sequence[str], step_fn: StepFn
-) -> Iterator[ManualStep]:
-    """`ManualStep` with `pl_module.manual_backward` replaced by its `backward` and hooks that
-    count each block's runs, both undone on exit."""
-    step = ManualStep(step_fn, names)
-    handles = [
-        b.register_forward_pre_hook(lambda module, args, i=i: step.block_ran(i), prepend=True)
-        for i, b in enumerate(blocks)
-    ]
-    step.checks = [(b, h.id) for b, h in zip(blocks, handles)]
-    try:
-        with _instance_attribute(pl_module, "manual_backward", step.backward):
-            yield step
-    finally:
-        for h in handles:
-            h.remove()
+def _manual_step(step_fn: StepFn, pl_module: pl.LightningModule) -> Iterator[ManualStep]:
+    """`ManualStep` with `pl_module.manual_backward` replaced by its `backward`, undone on exit."""
+    step = ManualStep(step_fn)
+    with _instance_attribute(pl_module, "manual_backward", step.backward):
+        yield step

@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_ckpt.apply.segments import AppliedPlan
 from lightning_ckpt.frontends.lightning import compiled
-from lightning_ckpt.frontends.lightning.profile_step import chain_of_first_batch, profile_first_batch
+from lightning_ckpt.frontends.lightning.profile_step import calls_of_first_batch, chain_of_first_batch, profile_first_batch
 from lightning_ckpt.frontends.lightning.strategy_hooks import strategy_static_memory
 from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.costs.machine_rates import MachineRates
@@ -47,6 +47,11 @@ class LightningDriver:
         choice = chain_of_first_batch(self.trainer, pl_module, batch)
         rank_zero_info(f"lightning-ckpt: {choice}")
         return list(choice.names), list(choice.modules)
+
+    def call_chain(
+        self, batch: Any, modules: list[torch.nn.Module], names: list[str]
+    ) -> tuple[list[torch.nn.Module], list[str]]:
+        return calls_of_first_batch(self.trainer, self.trainer.lightning_module, modules, names, batch)
 
     def profile(
         self, batch: Any, blocks: list[torch.nn.Module], names: list[str], *, batch_idx: int,

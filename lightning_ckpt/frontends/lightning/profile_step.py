@@ -23,6 +23,8 @@ from lightning_ckpt.frontends.lightning.muted_logging import muted_logging
 from lightning_ckpt.frontends.lightning.strategy_hooks import profiling_context
 from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.costs.machine_rates import MachineRates
+from lightning_ckpt.profiling.batch import slice_batch
+from lightning_ckpt.profiling.block_calls import call_chain
 from lightning_ckpt.profiling.discovery import ChainChoice, discover_chain
 from lightning_ckpt.profiling.gather import with_recompute_gather
 from lightning_ckpt.profiling.profile_budget import ProfileBudget
@@ -66,7 +68,7 @@ def profile_first_batch(
     check = probe_sizes(batch, probes, check)
     step_fn = _training_step(trainer, pl_module, batch_idx)
     # optimizers, schedulers and counters held still; a manual step's backward is run by the profiler
-    with held_training(trainer, pl_module, blocks, names, step_fn) as step:
+    with held_training(trainer, pl_module, step_fn) as step:
         with profiling_context(trainer), eager_only():  # a compiled model is profiled as its original code
             profile = profile_model(pl_module, blocks, step, batch, probes, check, names=names, calibrate_keeps=calibrate_keeps, rates=rates,
                                     time_blocks=time_blocks, budget=budget)
@@ -91,6 +93,17 @@ def chain_of_first_batch(trainer: pl.Trainer, pl_module: pl.LightningModule, bat
     """With ``blocks=None``: the chain that covers most of the bytes the training step saves
     (`profiling.discovery`), measured by one forward on a slice of `batch`, every state held."""
     step_fn = _training_step(trainer, pl_module, 0)
-    with held_training(trainer, pl_module, [], [], step_fn) as step:
+    with held_training(trainer, pl_module, step_fn) as step:
         with profiling_context(trainer), eager_only():
             return discover_chain(pl_module, step, batch)
+
+
+def calls_of_first_batch(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[torch.nn.Module], names: list[str], batch: Any
+) -> tuple[list[torch.nn.Module], list[str]]:
+    """The chain of calls the training step makes of `modules` (`profiling.block_calls`), read by one
+    forward on one sample of `batch`, every state held."""
+    step_fn = _training_step(trainer, pl_module, 0)
+    with held_training(trainer, pl_module, step_fn) as step:
+        with profiling_context(trainer), eager_only():
+            return call_chain(pl_module, modules, names, step, slice_batch(batch, 1))

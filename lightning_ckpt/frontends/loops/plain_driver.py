@@ -23,11 +23,12 @@ from lightning_ckpt.apply.segments import AppliedPlan, apply_segments
 from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.planning.plan import Plan
-from lightning_ckpt.profiling.batch import checked_size
+from lightning_ckpt.profiling.batch import checked_size, slice_batch
 from lightning_ckpt.profiling.ddp_memory import ddp_comm_buffer_bytes
 from lightning_ckpt.profiling.profile_budget import ProfileBudget
 from lightning_ckpt.engine.step_profile import profile_model
-from lightning_ckpt.profiling.state import preserved_rng, unchanged_parameters
+from lightning_ckpt.profiling.block_calls import call_chain
+from lightning_ckpt.profiling.state import preserved_rng, preserved_state, unchanged_parameters
 from lightning_ckpt.profiling.static_memory import StaticMemory, static_memory
 
 StepFn = Callable[[Any], torch.Tensor]
@@ -116,6 +117,17 @@ class PlainDriver:
                     self.model, blocks, self.step_fn, batch, probes, check, names=names,
                     calibrate_keeps=calibrate_keeps, rates=rates, time_blocks=time_blocks, budget=budget,
                 )
+        finally:
+            self.profiling = False
+
+    def call_chain(self, batch: Any, modules: list[nn.Module], names: list[str]) -> tuple[list[nn.Module], list[str]]:
+        """The chain of calls one step makes of `modules` (`profiling.block_calls`), read on one sample of `batch`."""
+        ddp = ddp_module(self.wrapped)
+        self.profiling = True
+        try:
+            no_sync = ddp.no_sync() if ddp is not None else contextlib.nullcontext()
+            with preserved_rng(), preserved_state(self.model), no_sync:
+                return call_chain(self.model, modules, names, self.step_fn, slice_batch(batch, 1))
         finally:
             self.profiling = False
 
