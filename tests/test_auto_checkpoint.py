@@ -234,9 +234,10 @@ def test_blocks_none_follows_the_bytes_across_containers():
     with auto_checkpoint(entry.model, 10**9, example_batch=batch, step_fn=entry.loss, optimizer=opt, policy="full",
                          verbose=False, info=said.append) as handle:
         names = handle.block_names
-        assert [n for n in names if n.startswith("down_blocks")] and "mid_block" in names
+        mid = [i for i, n in enumerate(names) if n.startswith("mid_block")]  # whole, or its resnets and attentions
+        assert [n for n in names if n.startswith("down_blocks")] and mid
         assert [n for n in names if n.startswith("up_blocks")]
-        assert names.index("mid_block") > max(i for i, n in enumerate(names) if n.startswith("down_blocks"))
+        assert min(mid) > max(i for i, n in enumerate(names) if n.startswith("down_blocks"))
     assert any("blocks=None: chose" in m and "left out" in m for m in said)
 
 

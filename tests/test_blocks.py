@@ -156,10 +156,15 @@ def test_blocks_none_with_a_step_follows_the_bytes_across_containers():
 
     torch.manual_seed(0)
     model = _UNetLike()
-    choice = discover_chain(model, lambda b: model(b), torch.randn(4, 8, 16))
+    found = discover_chain(model, lambda b: model(b), torch.randn(4, 8, 16))
+    # the default: the mid block's two blocks, one level in (its largest block is smaller)
+    assert found.names == ("down.0", "down.1", "mid.layers.0", "mid.layers.1", "up.0", "up.1", "up.2")
+    assert len(found.alternatives) == 1
+    choice = found.alternatives[0]
     assert choice.names == ("down.0", "down.1", "mid", "up.0", "up.1", "up.2")
     assert choice.modules[2] is model.mid and choice.probe_batch_size == 2
     assert [n for n, _ in choice.left_out] == ["head"] and choice.covered_bytes < choice.step_bytes
+    assert choice.covered_bytes == found.covered_bytes
     assert str(choice).startswith("blocks=None: chose 6 blocks from down.0 to up.2, which save ")
     # without a step, the largest container alone (the old rule)
     assert resolve_blocks(model, None)[1] == ["up.0", "up.1", "up.2"]

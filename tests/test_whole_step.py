@@ -214,8 +214,9 @@ def test_unet_policies_predicted_within_3_percent(unet):
 
 def test_blocks_none_on_the_unet_covers_down_mid_and_up(unet):
     model, loss_fn, batch, *_ = unet
-    choice = discover_chain(model, loss_fn, batch)
-    assert choice.names == ("down_blocks.0", "down_blocks.1", "mid_block", "up_blocks.0", "up_blocks.1")
+    found = discover_chain(model, loss_fn, batch)  # the default is a finer level: the resnets and samplers
+    top = ("down_blocks.0", "down_blocks.1", "mid_block", "up_blocks.0", "up_blocks.1")
+    choice = next(c for c in found.candidates if c.names == top)
     assert choice.covered_bytes > 0.9 * choice.step_bytes
     text = str(choice)
     assert "from down_blocks.0 to up_blocks.1" in text and "conv_out" in text  # what it left out, with bytes

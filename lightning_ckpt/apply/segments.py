@@ -265,9 +265,10 @@ class _CallHooks:
     def new_step(self) -> dict[nn.Module, tuple[int, int]]:
         """Count block calls from the start again (a training step begins). -> the modules whose calls with
         grad in the step that ended (when one ran) differ from the chain's: module -> (calls, entries)."""
+        counted = self.sites.count  # the modules the plan hooks (those in a segment)
         odd = {
-            m: (self.sites.count.get(m, 0), len(ks)) for m, ks in self.sites.entries.items()
-            if self.sites.count and self.sites.count.get(m, 0) != len(ks)
+            m: (counted.get(m, 0), len(ks)) for m, ks in self.sites.entries.items()
+            if counted and m in self._pre_ids and counted.get(m, 0) != len(ks)
         }
         self.sites.reset()
         return odd

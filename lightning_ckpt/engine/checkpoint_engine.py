@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from lightning_ckpt.apply.segments import AppliedPlan
-from lightning_ckpt.engine.engine_inputs import EngineSettings, StepDriver, allowed_python_state, block_signature
+from lightning_ckpt.engine.engine_inputs import EngineSettings, StepDriver, allowed_python_state, block_signature, unchained
 from lightning_ckpt.engine.rank_zero import plan_on_rank_zero
 from lightning_ckpt.apply.recompute_errors import explain_checkpoint_error
 from lightning_ckpt.engine.measured_steps import MeasuredStep, Reserves, judge_step
@@ -34,6 +34,7 @@ from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.planning.policies import InfeasibleBudgetError, python_state_note
 from lightning_ckpt.profiling.applied_marks import refuse_marked
+from lightning_ckpt.profiling.layer_skipping import find_layer_skipping
 from lightning_ckpt.profiling.profile_budget import ProfileBudget, ProfileBudgetError, batch_bytes
 from lightning_ckpt.profiling.shapes import BatchShape, shape_of
 from lightning_ckpt.profiling.static_memory import StaticMemory
@@ -72,6 +73,7 @@ class CheckpointEngine:
         self._bound: list | None = None  # `block_signature` of the modules `bind` was given
         self._calls_read = False  # whether `blocks` is the chain of calls read off a step (`_read_calls`)
         self._odd_calls_told = False
+        self._skipping = False  # the model skips layers at random in training (`profiling.layer_skipping`)
 
     # ------------------------------------------------------------------ binding and state
 
@@ -95,6 +97,7 @@ class CheckpointEngine:
         if not self._calls_read:
             self.blocks, self.block_names, self.signature = list(blocks), list(names), signature
         self._static, self.shape = None, None
+        self._skipping = model is not None and bool(find_layer_skipping(model))  # LayerDrop: one block per segment
         if model is not None:
             self._prepared = prepare_model(
                 model, keep_hf_checkpointing=self.settings.keep_hf_checkpointing, warn=self.driver.warn
@@ -329,6 +332,7 @@ class CheckpointEngine:
         except ProfileBudgetError as err:  # no profile fits: as a plan that cannot (the same error on every rank)
             raise InfeasibleBudgetError(f"the training batch of shape ({shape_of(batch).describe()}): {err}") from None
         profile = allowed_python_state(profile, s.allow_python_state, self.block_names)
+        profile = unchained(profile) if self._skipping else profile
         self.profiled_steps += own
         if self._rates is None:
             self._rates = profile.probes[0].rates

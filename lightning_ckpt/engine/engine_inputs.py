@@ -104,6 +104,19 @@ def allowed_python_state(profile: Profile, allow: bool | Sequence[str], names: S
     )
 
 
+def unchained(profile: Profile) -> Profile:
+    """`profile` with no block chaining from the one before (`BlockCost.chains_from_previous`): every segment
+    is one block, as needed when blocks may be skipped in training (LayerDrop: `profiling.layer_skipping`)."""
+
+    def cut(cost: StepCost) -> StepCost:
+        blocks = tuple(dataclasses.replace(b, chains_from_previous=False) if i else b for i, b in enumerate(cost.blocks))
+        return dataclasses.replace(cost, blocks=blocks)
+
+    return dataclasses.replace(
+        profile, probes=tuple(cut(p) for p in profile.probes), check=None if profile.check is None else cut(profile.check)
+    )
+
+
 def block_signature(names: Sequence[str], blocks: Sequence[torch.nn.Module]) -> list[list[Any]]:
     """[name, parameter shapes] of every block: what a plan's segments refer to."""
     return [[name, [list(p.shape) for p in blk.parameters()]] for name, blk in zip(names, blocks)]

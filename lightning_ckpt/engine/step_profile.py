@@ -13,6 +13,7 @@ from torch import nn
 
 from lightning_ckpt.apply.keep_calibration import calibrated_profile
 from lightning_ckpt.costs.linear_fit import Profile
+from lightning_ckpt.profiling.layer_skipping import layers_always_run
 from lightning_ckpt.profiling.profiler import StepFn, measure_profile
 
 
@@ -31,9 +32,10 @@ def profile_model(
     """
     bound = inspect.signature(measure_profile).bind(model, blocks, step_fn, batch, *args, **kwargs)
     bound.apply_defaults()
-    profile = measure_profile(*bound.args, **bound.kwargs)
-    if bound.arguments["timing"] and calibrate_keeps:  # after the rates: the calibration fits them to measured recompute
-        profile = calibrated_profile(profile, model, blocks, step_fn, batch, fit_rates=bound.arguments["rates"] is None)
+    with layers_always_run(model):  # LayerDrop: the step in which every block runs, the largest
+        profile = measure_profile(*bound.args, **bound.kwargs)
+        if bound.arguments["timing"] and calibrate_keeps:  # after the rates: fitted to the measured recompute
+            profile = calibrated_profile(profile, model, blocks, step_fn, batch, fit_rates=bound.arguments["rates"] is None)
     return profile
 
 

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_ckpt.profiling.layer_skipping import layers_always_run
+
 __all__ = ["CallSites", "call_chain", "call_names", "hook_calls", "occurrences", "TooManyCalls"]
 
 
@@ -163,7 +165,7 @@ def call_chain(
         handles.append(m.register_forward_pre_hook(pre))
         handles.append(m.register_forward_hook(post, always_call=True))
     try:
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: None, _no_unpack):
+        with layers_always_run(model), torch.autograd.graph.saved_tensors_hooks(lambda t: None, _no_unpack):
             step_fn(batch)
     finally:
         for h in handles:

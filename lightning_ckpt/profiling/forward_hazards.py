@@ -7,7 +7,7 @@ changing it.
     PythonStateWatch(n_blocks)                       # per block: Python state its forward writes
 
 `static_hazards` reports `output_attentions` / `output_hidden_states` (every layer's maps or outputs
-stay alive to the loss), LayerDrop (a skipped layer breaks a segment of several blocks) and spectral
+stay alive to the loss), LayerDrop (`layer_skipping`: plans then checkpoint each block alone) and spectral
 norm (its power iteration updates buffers again in a recompute). `forward_hazards` finds buffers
 written in place outside normalization layers (whose statistics the apply stage guards), Python
 attributes that change, and tensors kept on modules (alive past their block, so never freed).
@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_ckpt.profiling.layer_skipping import find_layer_skipping, layer_skipping_note
 from lightning_ckpt.profiling.model_configs import configs_phrase, module_label
 from lightning_ckpt.profiling.tracker import LiveBytesTracker
 
-_LAYERDROP = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
 _MODULE_DICTS = ("_parameters", "_buffers", "_modules")
 
 
@@ -40,11 +40,9 @@ def static_hazards(model: nn.Module, configs: list[tuple[str, Any]]) -> list[str
                 found.append(f"{key}=True in {configs_phrase([where])}: the forward returns every layer's {what}, which "
                              "stay alive to the loss, so checkpointing frees less than planned; set it False for "
                              "training unless the loss needs them")
-        for key in _LAYERDROP:
-            if isinstance(getattr(cfg, key, 0), (int, float)) and getattr(cfg, key, 0) > 0:
-                found.append(f"{key}={getattr(cfg, key)} in {configs_phrase([where])}: LayerDrop skips layers at random "
-                             "in training, and a segment of several blocks fails when one is skipped; plan one block "
-                             "per segment (policy='full') or set it to 0")
+    note = layer_skipping_note(find_layer_skipping(model))
+    if note:
+        found.append(note.rstrip("."))
     return found
 
 

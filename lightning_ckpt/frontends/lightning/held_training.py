@@ -158,8 +158,7 @@ class ManualStep:
         self.losses: list[Any] = []
 
     def backward(self, loss: Any, *args: Any, **kwargs: Any) -> None:
-        if isinstance(loss, torch.Tensor) and loss.requires_grad:
-            self.losses.append(loss)
+        self.losses.append(loss)
 
     def __call__(self, batch: Any) -> Any:
         self.losses = []

@@ -1,0 +1,132 @@
+"""Choose among the chains `discover_chain` offers (one per level of the module tree) once each is
+planned: the feasible one that recomputes least, or the one that fits the largest batch, with one
+line for the user saying which and why; and the message for a chain whose blocks save nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_ckpt.profiling.discovery import REST, ChainChoice
+from lightning_ckpt.units import format_bytes
+
+__all__ = ["ChainScore", "choose_chain", "describe_nothing_saved"]
+
+
+@dataclass(frozen=True)
+class ChainScore:
+    """How one candidate chain planned. feasible: its plan fits the budget at `batch_size`.
+    recompute_cost: what the plan recomputes per step, in `unit` ("s": seconds; "flop" when planned
+    by FLOPs). batch_size: the batch it was planned at (when maximizing it: the largest that fits)."""
+
+    feasible: bool
+    recompute_cost: float
+    batch_size: int
+    unit: str = "s"
+
+
+def _cost(score: ChainScore) -> str:
+    x = score.recompute_cost
+    if score.unit == "s":
+        for scale, name in ((1.0, "s"), (1e-3, "ms"), (1e-6, "µs")):
+            if x >= scale:
+                return f"{x / scale:.3g} {name}"
+        return "0 s" if x == 0 else f"{x * 1e6:.3g} µs"
+    if score.unit == "flop":
+        for scale, name in ((1e15, "PFLOP"), (1e12, "TFLOP"), (1e9, "GFLOP"), (1e6, "MFLOP")):
+            if x >= scale:
+                return f"{x / scale:.3g} {name}"
+        return f"{x:.3g} FLOP"
+    return f"{x:.3g} {score.unit}"
+
+
+def _what(choice: ChainChoice) -> str:
+    first, last = (choice.names[0], choice.names[-1]) if choice.names else ("-", "-")
+    return f"{choice.level or 'a chain'} ({len(choice.names)} blocks, {first}..{last})"
+
+
+def _check(candidates: Sequence[ChainChoice], scores: Sequence[ChainScore]) -> None:
+    if len(candidates) != len(scores) or not candidates:
+        raise ValueError(
+            f"choose_chain got {len(candidates)} candidate chains and {len(scores)} scores; pass one ChainScore "
+            "per candidate, in the same order, and at least one candidate (ChainChoice.candidates)."
+        )
+    for i, s in enumerate(scores):
+        if not isinstance(s, ChainScore) or math.isnan(s.recompute_cost) or s.recompute_cost < 0 or s.batch_size < 1:
+            raise ValueError(
+                f"score {i} is {s!r}; each must be a ChainScore with a recompute_cost of 0 or more and a "
+                "batch_size of 1 or more."
+            )
+
+
+def choose_chain(
+    candidates: Sequence[ChainChoice], scores: Sequence[ChainScore], maximize_batch: bool = False
+) -> tuple[int, str]:
+    """The index of the feasible candidate that recomputes least (ties: the first), or with
+    `maximize_batch` the one that fits the largest batch (ties: the least recompute, then the first),
+    and one line naming it, why, and what the others would have cost. Raises ValueError when none is
+    feasible (its message names each candidate and the batch it could not fit)."""
+    _check(candidates, scores)
+    feasible = [i for i, s in enumerate(scores) if s.feasible]
+    if not feasible:
+        each = "; ".join(f"{_what(c)} cannot fit batch {s.batch_size}" for c, s in zip(candidates, scores))
+        raise ValueError(
+            f"none of the {len(candidates)} candidate chains fits the memory budget: {each}. Raise the budget or "
+            "lower the batch size."
+        )
+    if maximize_batch:
+        best = min(feasible, key=lambda i: (-scores[i].batch_size, scores[i].recompute_cost, i))
+        why = "the largest batch that fits of the chains found"
+    else:
+        best = min(feasible, key=lambda i: (scores[i].recompute_cost, i))
+        why = "the least recompute of the chains that fit"
+    s = scores[best]
+    line = (
+        f"blocks=None: planning over {_what(candidates[best])}, which recomputes {_cost(s)} per step at batch "
+        f"{s.batch_size}, {why}"
+    )
+    others = []
+    for i, (c, o) in enumerate(zip(candidates, scores)):
+        if i == best:
+            continue
+        if not o.feasible:
+            others.append(f"{_what(c)} cannot fit batch {o.batch_size}")
+        else:
+            others.append(f"{_what(c)} recomputes {_cost(o)} per step at batch {o.batch_size}")
+    return best, line + ("; " + "; ".join(others) if others else "") + "."
+
+
+def describe_nothing_saved(choice: ChainChoice) -> str | None:
+    """The message for a chain whose blocks save 0 B for backward (checkpointing them cannot lower
+    memory), None for one that saves something."""
+    if choice.covered_bytes > 0:
+        return None
+    if choice.step_bytes == 0:
+        return (
+            "blocks=None: the training step saves nothing for backward, so there is no activation memory for "
+            "checkpointing to lower; train without it (policy='none')."
+        )
+    why = (
+        f" (their {choice.grad_off_calls} calls run with autograd off, as reversible layers inside an "
+        "autograd.Function do, which keeps only what that Function saves)"
+        if choice.grad_off_calls else ""
+    )
+    better = [a for a in choice.alternatives if a.covered_bytes > 0]
+    named = [(n, b) for n, b in choice.left_out if n != REST]
+    if better:
+        alt = max(better, key=lambda a: a.covered_bytes)
+        todo = f"plan over {_what(alt)}, which holds {format_bytes(alt.covered_bytes)}, instead"
+    elif named:
+        n, b = max(named, key=lambda x: x[1])
+        todo = (
+            f"name blocks=[...] among the modules that do save (the most: {n}, {format_bytes(b)}), or train without "
+            "checkpointing (policy='none')"
+        )
+    else:
+        todo = "train without checkpointing (policy='none')"
+    return (
+        f"blocks=None: the chosen blocks, {_what(choice)}, hold 0 B of the {format_bytes(choice.step_bytes)} the "
+        f"step saves for backward{why}, so checkpointing them cannot lower memory; {todo}."
+    )
