@@ -4,7 +4,9 @@
     OMP_NUM_THREADS=1 python benchmarks/zoo.py --quick    # the sizes the tests use (~1 min)
 
 Each model (HF T5 with the decoder's blocks and with both stacks as one chain, BERT, Llama, a
-peft-LoRA Llama, ViT; diffusers' UNet2DModel down/mid/up; MONAI's ResNet) is built from a config with
+peft-LoRA Llama, ViT, ALBERT (one layer called at every depth: a block per call), Swin and ConvNeXt (the
+blocks inside their stages); diffusers' UNet2DModel down/mid/up; MONAI's ResNet; a two-view contrastive
+encoder written here, each block called twice a step) is built from a config with
 its library's defaults (T5 and Llama keep `use_cache=True`; `auto_checkpoint` turns it off for the run
 and back on after), with random weights, fp32 and dropout on, and trained a few AdamW steps at batch 8
 twice: without checkpointing and under `auto_checkpoint` (`cost_metric="flops"`, so that the plan does
@@ -34,6 +36,10 @@ SIZES = {  # the benchmark's sizes; --quick uses the builders' defaults (those o
     "vit": {"layers": 8, "hidden": 64, "image": 64},
     "unet": {"sample": 32, "channels": (32, 64)},
     "resnet": {"image": 64},
+    "albert": {"layers": 8, "hidden": 64, "seq": 64},
+    "swin": {"image": 64, "embed": 32},
+    "convnext": {"image": 64, "widths": (16, 32, 32, 64)},
+    "two_views": {"layers": 8, "hidden": 64, "seq": 64},
 }
 
 
@@ -56,7 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args(argv)
-    names = ["t5", "t5_both", "bert", "llama", "lora_llama", "vit", "unet", "resnet"]
+    names = ["t5", "t5_both", "bert", "llama", "lora_llama", "vit", "unet", "resnet", "albert", "swin", "convnext",
+             "two_views"]
     print("| model | budget | checkpointed | predicted | measured | predicted - measured | within budget | losses same | growth |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name in names:

@@ -197,7 +197,7 @@ def test_profiling_under_an_applied_plan_is_refused():
 def test_bad_input_is_refused_with_what_to_do():
     model, batch = _model(), _batches(1)[0]
     kw = dict(example_batch=batch, step_fn=_loss(model), verbose=False)
-    with pytest.raises(ValueError, match=r"no container .* Pass blocks="):
+    with pytest.raises(ValueError, match=r"no nn.ModuleList .* no chain to find\. Pass blocks="):
         auto_checkpoint(torch.nn.Linear(3, 3), 10**9, example_batch=torch.zeros(4, 3), step_fn=lambda b: b.sum())
     with pytest.raises(ValueError, match=r"memory_budget was not given and the training device is 'cpu'"):
         auto_checkpoint(model, None, **kw)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from level_models import tiny_convnext, tiny_funnel, tiny_llava, tiny_swin, tiny_unet_conditional
 from models import MLPBlock
 from torch import nn
 
@@ -120,12 +121,7 @@ def test_albert_shared_layer_gives_one_block_per_layer():
 
 
 def test_swin_and_convnext_offer_the_stages_and_the_blocks_inside():
-    import transformers
-
-    torch.manual_seed(0)
-    swin = transformers.SwinForImageClassification(transformers.SwinConfig(
-        image_size=32, patch_size=2, embed_dim=16, depths=[2, 2, 2, 2], num_heads=[1, 1, 2, 2], window_size=2, num_labels=3
-    )).train()
+    swin, _, _ = tiny_swin()
     choice = discover_chain(swin, lambda b: swin(pixel_values=b).logits.sum(), torch.randn(4, 3, 32, 32))
     stages = [f"swin.encoder.layers.{i}" for i in range(4)]
     inner = [f"{s}.{x}" for s in stages for x in ("blocks.0", "blocks.1", "downsample")][:-1]  # the last stage: none
@@ -137,9 +133,7 @@ def test_swin_and_convnext_offer_the_stages_and_the_blocks_inside():
     assert choice.to_dict()["alternatives"][0]["names"] == stages and "alternatives" not in choice.alternatives[0].to_dict()
     assert str(choice).endswith("Also found: the children of swin.encoder.layers (4 blocks, swin.encoder.layers.0..swin.encoder.layers.3, 98.1%).")
 
-    convnext = transformers.ConvNextForImageClassification(
-        transformers.ConvNextConfig(hidden_sizes=[8, 16, 16, 32], depths=[2, 2, 2, 2], num_labels=3)
-    ).train()
+    convnext, _, _ = tiny_convnext()
     choice = discover_chain(convnext, lambda b: convnext(pixel_values=b).logits.sum(), torch.randn(4, 3, 32, 32))
     stages = [f"convnext.encoder.stages.{i}" for i in range(4)]
     assert choice.names[:3] == (f"{stages[0]}.layers.0", f"{stages[0]}.layers.1", f"{stages[1]}.downsampling_layer.0")
@@ -148,39 +142,15 @@ def test_swin_and_convnext_offer_the_stages_and_the_blocks_inside():
 
 
 def test_funnel_covers_the_encoder_blocks_and_the_decoder():
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.FunnelConfig(
-        vocab_size=50, block_sizes=[1, 1], d_model=16, n_head=2, d_head=8, d_inner=32, num_decoder_layers=2
-    )
-    model = transformers.FunnelModel(config).train()
+    model, _, _ = tiny_funnel()
     choice = discover_chain(model, lambda b: model(input_ids=b).last_hidden_state.sum(), torch.randint(0, 50, (4, 8)))
     assert choice.names == ("encoder.blocks.0.0", "encoder.blocks.1.0", "decoder.layers.0", "decoder.layers.1")
     assert choice.covered_bytes > 0.9 * choice.step_bytes
 
 
 def test_llava_runs_the_vision_layers_then_the_language_layers():
-    import transformers
-
-    torch.manual_seed(0)
-    vision = transformers.CLIPVisionConfig(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=16, patch_size=8
-    )
-    text = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2,
-    )
-    config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=63,
-                                      projector_hidden_act="gelu", vision_feature_layer=-2)
-    model = transformers.LlavaForConditionalGeneration(config).train()
-    ids = torch.randint(0, 60, (4, 12))
-    ids[:, 1:5] = 63  # 4 patches of 8 x 8 in a 16 x 16 image
-
-    def loss(b):
-        return model(input_ids=b[0], pixel_values=b[1], labels=b[0]).loss
-
-    batch = (ids, torch.randn(4, 3, 16, 16))
+    model, loss, make_batch = tiny_llava()
+    batch = make_batch(4, 0)
     choice = discover_chain(model, loss, batch)
     vis, lang = "model.vision_tower.encoder.layers", "model.language_model.layers"
     assert choice.names[:2] == (f"{vis}.0", f"{vis}.1") and choice.names[-2:] == (f"{lang}.0", f"{lang}.1")
@@ -194,15 +164,8 @@ def test_llava_runs_the_vision_layers_then_the_language_layers():
 
 
 def test_unet_offers_its_top_blocks_and_their_resnets_and_attentions():
-    import diffusers
-
-    torch.manual_seed(0)
-    model = diffusers.UNet2DConditionModel(
-        sample_size=8, in_channels=4, out_channels=4, block_out_channels=(16, 32), layers_per_block=1,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=16, attention_head_dim=8, norm_num_groups=8,
-    ).train()
-    batch = (torch.randn(4, 4, 8, 8), torch.randint(0, 1000, (4,)), torch.randn(4, 5, 16))
+    model, _, make_batch = tiny_unet_conditional()
+    batch = make_batch(4, 0)
     choice = discover_chain(model, lambda b: model(b[0], b[1], encoder_hidden_states=b[2]).sample.sum(), batch)
     found = _by_size(choice)
     assert found[5].names == ("down_blocks.0", "down_blocks.1", "mid_block", "up_blocks.0", "up_blocks.1")

@@ -331,6 +331,7 @@ def test_zero3_frozen_module_inside_checkpointed_segment(ranks):
         # the frozen first block and the second (its LayerNorm frozen) share one segment: the
         # second receives an alias of the first's output (ZeRO-3 re-wraps it), which does not
         # require grad
+        assert run["names"] == [f"net.blocks.{i}" for i in range(N_BLOCKS)], run["names"]
         assert run["segments"] == [[0, 1], [2, 3], [4, 4]], run["segments"]
         assert run["losses_ckpt"] == run["losses_plain"] and len(run["losses_ckpt"]) == STEPS
 
@@ -601,7 +602,8 @@ def _frozen_model():
 def _frozen_run() -> dict:
     held = _held_callback()
     _, plain = _fit(_ds(3), "bf16-mixed", [held], model=_frozen_model())
-    cb = _callback()
+    # named: blocks=None leaves the frozen first block out (its output needs no gradient, so it saves nothing)
+    cb = _callback(blocks="net.blocks")
     error = None
     try:
         _, model = _fit(_ds(3), "bf16-mixed", [cb], model=_frozen_model())
@@ -612,6 +614,7 @@ def _frozen_run() -> dict:
         "losses_plain": _losses(plain),
         "losses_ckpt": _losses(model) if model is not None else [],
         "segments": [list(s) for s in cb.plan.segments] if cb.plan is not None else [],
+        "names": list(cb.block_names),
         "held": held.held,
         "predicted_held": held.predicted,
     }

@@ -1,5 +1,5 @@
-"""Models we did not write (HF T5, BERT, Llama, a peft-LoRA Llama, ViT; diffusers' UNet2DModel; MONAI's
-ResNet), built from tiny configs with their libraries' defaults (T5 and Llama keep `use_cache=True`),
+"""Models we did not write (HF T5, BERT, Llama, a peft-LoRA Llama, ViT, ALBERT, Swin, ConvNeXt; diffusers'
+UNet2DModel; MONAI's ResNet) and a two-view contrastive step (every block called twice), built from tiny configs with their libraries' defaults (T5 and Llama keep `use_cache=True`),
 trained under `auto_checkpoint` at two budgets: the whole step predicted within 3 % of the measured
 peak, the measured peak within the budget, losses bit-identical to the loop without it (fp32, dropout
 on), and nothing kept alive from step to step."""
@@ -12,7 +12,7 @@ import pytest
 import zoo_models
 from zoo_check import check
 
-MODELS = ["t5", "t5_both", "bert", "llama", "lora_llama", "vit", "unet", "resnet"]
+MODELS = ["t5", "t5_both", "bert", "llama", "lora_llama", "vit", "unet", "resnet", "albert", "swin", "convnext", "two_views"]
 SHARES = [0.5, 0.25]  # half way between `full` and `none`, and a quarter of the way up from `full`
 TOLERANCE = 0.03
 

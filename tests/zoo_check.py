@@ -13,6 +13,9 @@ from lightning_ckpt import auto_checkpoint, make_plan, measure_step_peak
 from lightning_ckpt.engine.target_plan import cost_at
 from lightning_ckpt.engine.model_prep import prepare_model
 from lightning_ckpt.engine.step_profile import profile_model
+from lightning_ckpt.profiling.batch import batch_size_of
+from lightning_ckpt.profiling.block_calls import call_chain
+from lightning_ckpt.profiling.state import preserved_state
 from lightning_ckpt.profiling.static_memory import static_memory
 
 
@@ -45,8 +48,10 @@ def budget_between(entry, batch, share: float) -> int:
     """`full`'s predicted peak + `share` of the way up to `none`'s, for the whole step at `batch`."""
     names, blocks = entry.blocks()
     with prepare_model(entry.model, warn=lambda m: None):
+        with preserved_state(entry.model):  # a module called several times per step: one block per call
+            blocks, names = call_chain(entry.model, blocks, names, entry.loss, batch)
         profile = profile_model(entry.model, blocks, entry.loss, batch, names=names, timing=False)
-    n = len(next(iter(batch.values())) if isinstance(batch, dict) else batch[0])
+    n = batch_size_of(batch)
     cost = cost_at(profile, n, static_memory(entry.model, [_optimizer(entry.model)]))
     lo, hi = (make_plan(cost, p).predicted_peak_bytes for p in ("full", "none"))
     return int(lo + share * (hi - lo))
@@ -84,7 +89,6 @@ def check(build: Callable[[], object], share: float, batch_size: int = 8, steps:
     entry = build()
     entry.model.train()
     opt = _optimizer(entry.model)
-    names, _ = entry.blocks()
     chain = entry.chain if isinstance(entry.chain, str) else list(entry.chain)
     handle = auto_checkpoint(
         entry.model, budget, example_batch=batches[0], step_fn=entry.loss, optimizer=opt, blocks=chain,
@@ -98,7 +102,7 @@ def check(build: Callable[[], object], share: float, batch_size: int = 8, steps:
     return ZooRow(
         model=entry.name, share=share, budget_bytes=budget, predicted_bytes=plan.predicted_peak_bytes,
         measured_bytes=max(peaks), losses_same=all(torch.equal(a, b) for a, b in zip(losses, ref_losses)),
-        plan=f"{len(plan.checkpointed)}/{len(names)} in {len(plan.segments)} seg"
+        plan=f"{len(plan.checkpointed)}/{plan.n_blocks} in {len(plan.segments)} seg"
         + (f", {len(plan.inner_segments)} inner" if plan.inner_segments else ""),
         growth_bytes=peaks[-1] - peaks[1] if len(peaks) > 2 else 0,
     )

@@ -1,6 +1,7 @@
 """Models written outside this project, built from tiny configs (random weights, no downloads), each
-with the chain to plan over, a batch maker and a loss: HF T5, BERT, GPT-NeoX, a peft-LoRA Llama and ViT,
-a diffusers UNet2DModel and a MONAI ResNet. Every library default is kept unless a size is set here
+with the chain to plan over, a batch maker and a loss: HF T5, BERT, GPT-NeoX, a peft-LoRA Llama, ViT,
+ALBERT (one layer run at every depth), Swin and ConvNeXt (blocks inside stages), a diffusers UNet2DModel,
+a MONAI ResNet, and a two-view contrastive encoder written here (every block runs twice a step). Every library default is kept unless a size is set here
 (T5, Llama and GPT-NeoX keep `use_cache=True`, as their configs ship). `ZOO` names a builder per model.
 
     entry = ZOO["t5"]()
@@ -209,6 +210,79 @@ def resnet(image: int = 32, widths: tuple[int, ...] = (16, 32, 64, 128), classes
     return ZooModel("resnet", model, RESNET_CHAIN, make_batch, loss_fn)
 
 
+def albert(layers: int = 6, hidden: int = 32, seq: int = 16, dropout: float = 0.1, **config) -> ZooModel:
+    """`AlbertForMaskedLM`: one layer module run at every depth (`layers` calls per step, each a block)."""
+    from transformers import AlbertConfig, AlbertForMaskedLM
+
+    cfg = AlbertConfig(
+        vocab_size=VOCAB, embedding_size=16, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
+        intermediate_size=2 * hidden, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+        max_position_embeddings=256, **config,
+    )
+    return ZooModel("albert", AlbertForMaskedLM(cfg), "albert.encoder.albert_layer_groups", _causal_batch(seq), _hf_loss)
+
+
+def _pixels_and_labels(image: int, classes: int = 3) -> Callable[[int, int], dict]:
+    def make_batch(batch_size: int, seed: int) -> dict:
+        g = torch.Generator().manual_seed(seed)
+        pixels = torch.randn(batch_size, 3, image, image, generator=g)
+        return {"pixel_values": pixels, "labels": torch.randint(0, classes, (batch_size,), generator=g)}
+
+    return make_batch
+
+
+def swin(image: int = 32, embed: int = 16, depths: tuple[int, ...] = (2, 2, 2, 2), **config) -> ZooModel:
+    """`SwinForImageClassification`; the chain is the blocks inside the four stages."""
+    from transformers import SwinConfig, SwinForImageClassification
+
+    cfg = SwinConfig(image_size=image, patch_size=2, embed_dim=embed, depths=list(depths), num_heads=[1, 1, 2, 2],
+                     window_size=2, num_labels=3, **config)
+    return ZooModel("swin", SwinForImageClassification(cfg), ["swin.encoder.layers.*.blocks.*"],
+                    _pixels_and_labels(image), _hf_loss)
+
+
+def convnext(image: int = 32, widths: tuple[int, ...] = (8, 16, 16, 32), **config) -> ZooModel:
+    """`ConvNextForImageClassification`; the chain is the layers inside the four stages."""
+    from transformers import ConvNextConfig, ConvNextForImageClassification
+
+    cfg = ConvNextConfig(hidden_sizes=list(widths), depths=[2, 2, 2, 2], num_labels=3, image_size=image, **config)
+    return ZooModel("convnext", ConvNextForImageClassification(cfg), ["convnext.encoder.stages.*.layers.*"],
+                    _pixels_and_labels(image), _hf_loss)
+
+
+class TwoViewEncoder(nn.Module):
+    """A SimCLR-style step: one encoder of pre-norm MLP blocks on two noisy views of each sample of tokens,
+    a contrastive loss between the pooled views (every block runs twice per step)."""
+
+    def __init__(self, layers: int = 4, hidden: int = 32) -> None:
+        super().__init__()
+        self.stem = nn.Linear(hidden, hidden)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden),
+                          nn.Dropout(0.1))
+            for _ in range(layers)
+        )
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return F.normalize(h.mean(1), dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z1, z2 = self.encode(x + 0.1 * torch.randn_like(x)), self.encode(x + 0.1 * torch.randn_like(x))
+        return F.cross_entropy(z1 @ z2.T / 0.5, torch.arange(len(x)))
+
+
+def two_views(layers: int = 4, hidden: int = 32, seq: int = 16) -> ZooModel:
+    """`TwoViewEncoder`: each block's two calls are two blocks of the chain."""
+
+    def make_batch(batch_size: int, seed: int) -> torch.Tensor:
+        return torch.randn(batch_size, seq, hidden, generator=torch.Generator().manual_seed(seed))
+
+    return ZooModel("two_views", TwoViewEncoder(layers, hidden), "blocks", make_batch, lambda m, b: m(b))
+
+
 ZOO: dict[str, Callable[..., ZooModel]] = {
     "t5": t5,
     "bert": bert,
@@ -218,4 +292,8 @@ ZOO: dict[str, Callable[..., ZooModel]] = {
     "vit": vit,
     "vit_model": lambda **kw: vit(classify=False, **kw),
     "resnet": resnet,
+    "albert": albert,
+    "swin": swin,
+    "convnext": convnext,
+    "two_views": two_views,
 }

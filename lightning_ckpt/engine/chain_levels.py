@@ -6,13 +6,15 @@ line for the user saying which and why; and the message for a chain whose blocks
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from lightning_ckpt.profiling.discovery import REST, ChainChoice
+from lightning_ckpt.planning.plan import Plan
+from lightning_ckpt.planning.policies import InfeasibleBudgetError
+from lightning_ckpt.profiling.discovery import NEAR_BEST_SHARE, REST, ChainChoice
 from lightning_ckpt.units import format_bytes
 
-__all__ = ["ChainScore", "choose_chain", "describe_nothing_saved"]
+__all__ = ["ChainScore", "choose_chain", "contenders", "describe_nothing_saved", "engine_for_chain", "pick_chain", "plan_score"]
 
 
 @dataclass(frozen=True)
@@ -130,3 +132,76 @@ def describe_nothing_saved(choice: ChainChoice) -> str | None:
         f"blocks=None: the chosen blocks, {_what(choice)}, hold 0 B of the {format_bytes(choice.step_bytes)} the "
         f"step saves for backward{why}, so checkpointing them cannot lower memory; {todo}."
     )
+
+
+def plan_score(plan: Plan) -> ChainScore:
+    """What `plan` recomputes per step, in the metric it was planned by."""
+    if plan.cost_metric == "flops":
+        return ChainScore(plan.fits, float(plan.recompute_flops), plan.batch_size, "flop")
+    ms = plan.recompute_est_ms if plan.cost_metric == "time" and plan.recompute_est_ms is not None else plan.recompute_ms
+    return ChainScore(plan.fits, max(0.0, ms) / 1e3, plan.batch_size, "s")
+
+
+def contenders(choice: ChainChoice) -> list[ChainChoice]:
+    """The candidates worth planning: those whose blocks cover nearly as many of the step's saved bytes as
+    the best-covering one (`NEAR_BEST_SHARE`), the default first."""
+    best = max(c.covered_bytes for c in choice.candidates)
+    room = NEAR_BEST_SHARE * max(choice.step_bytes, 1)
+    return [c for c in choice.candidates if c.covered_bytes >= best - room and c.covered_bytes > 0] or [choice]
+
+
+def pick_chain(
+    choice: ChainChoice, plan_fn: Callable[[ChainChoice], Plan], target_batch_size: int, maximize_batch: bool = False
+) -> tuple[int, str]:
+    """Plan each of `contenders(choice)` with `plan_fn` (an `InfeasibleBudgetError` counts as not fitting
+    `target_batch_size`) and choose among them (`choose_chain`). -> (index into `contenders(choice)`, the
+    line to say). When none fits, the default's error is raised, naming the others."""
+    found = contenders(choice)
+    scores, errors = [], []
+    for cand in found:
+        try:
+            scores.append(plan_score(plan_fn(cand)))
+            errors.append(None)
+        except InfeasibleBudgetError as err:
+            scores.append(ChainScore(False, 0.0, max(1, target_batch_size)))
+            errors.append(err)
+    if not any(s.feasible for s in scores):
+        others = "; ".join(f"{_what(c)} cannot either" for c in found[1:])
+        first = errors[0] if errors[0] is not None else InfeasibleBudgetError("the plan does not fit the budget")
+        raise InfeasibleBudgetError(
+            f"{first} (planned over {_what(found[0])}" + (f"; {others}" if others else "") + ")"
+        ) from None
+    return choose_chain(found, scores, maximize_batch)
+
+
+def engine_for_chain(
+    choice: ChainChoice,
+    make_engine: Callable[[ChainChoice], object],
+    plan_fn: Callable[[object], Plan],
+    target_batch_size: int,
+    maximize_batch: bool,
+    info: Callable[[str], None],
+) -> tuple[object, ChainChoice]:
+    """With `blocks=None`: the engine bound to the chain to plan over. One contender (`contenders`): its
+    engine, nothing planned. Several: each is bound (`make_engine`), profiled and planned (`plan_fn`, nothing
+    applied), then closed; the chosen one (`pick_chain`) is returned with its profile kept, said in one line.
+    A chain whose blocks save nothing is refused (`describe_nothing_saved`)."""
+    found = contenders(choice)
+    nothing = describe_nothing_saved(found[0])
+    if nothing is not None:
+        raise ValueError(nothing)
+    if len(found) == 1:
+        return make_engine(found[0]), found[0]
+    engines = []
+
+    def planned(cand: ChainChoice) -> Plan:
+        engine = make_engine(cand)
+        engines.append(engine)
+        try:
+            return plan_fn(engine)
+        finally:
+            engine.close()
+
+    index, line = pick_chain(choice, planned, target_batch_size, maximize_batch)
+    info(f"lightning-ckpt: {line}")
+    return engines[index], found[index]

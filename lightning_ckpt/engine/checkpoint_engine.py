@@ -179,6 +179,20 @@ class CheckpointEngine:
         self.plan = plan
         return plan
 
+    def preview(self, batch: Any, batch_size: int | None = None) -> Plan:
+        """Profile `batch` and plan its shape (at `batch_size` when given) without applying anything: the
+        plan is cached for when its batches come (`step`, `step_shape`). Collective, as `step`."""
+        self._require_bound()
+        self._read_calls(batch)
+        self.remove()
+        shape = shape_of(batch)
+        if batch_size is None or batch_size == shape.batch_size:
+            return self._plan_everywhere(batch, 0, self.driver.all_gather(shape)).plan
+        self.prime(batch)
+        at = shape.with_batch_size(batch_size)
+        plan = plan_on_rank_zero(lambda: self._shapes.plan_for(None, at).plan, self.driver.broadcast, self.driver.rank)
+        return self._shapes.settle(at, plan).plan
+
     def step(self, batch: Any, batch_idx: int = 0) -> ShapeDecision | None:
         """Make the plan for `batch`'s shape the applied one, before its step runs; None when it already is.
 

@@ -18,11 +18,15 @@ from torch import nn
 
 from lightning_ckpt.profiling.layer_skipping import layers_always_run
 
-__all__ = ["CallSites", "call_chain", "call_names", "hook_calls", "occurrences", "TooManyCalls"]
+__all__ = ["BlocksNeverRan", "CallSites", "call_chain", "call_names", "hook_calls", "occurrences", "TooManyCalls"]
 
 
 class TooManyCalls(RuntimeError):
     """A module ran more often within one step than the chain has entries for it."""
+
+
+class BlocksNeverRan(ValueError):
+    """A named block made no call with grad enabled in the step."""
 
 
 def occurrences(blocks: Sequence[nn.Module]) -> list[int]:
@@ -172,7 +176,7 @@ def call_chain(
             h.remove()
     missing = [name_of[id(m)] for m in distinct(modules) if all(o is not m for o in order)]
     if missing:
-        raise ValueError(
+        raise BlocksNeverRan(
             f"blocks {missing} never ran with grad enabled in the training step, so there is nothing of theirs to "
             "checkpoint; leave them out of blocks=[...] (each listed block must run in every step)."
         )

@@ -9,6 +9,7 @@ logs and the report, the measured peak and the plan in checkpoints.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_ckpt.engine import POLICIES, BatchShape, CheckpointEngine, EngineSettings, ShapeDecision, arguments
+from lightning_ckpt.engine.chain_levels import engine_for_chain
 from lightning_ckpt.frontends.lightning import loader_batch_size as loader
 from lightning_ckpt.frontends.lightning import measured_peak, resume
 from lightning_ckpt.frontends.lightning.lightning_driver import LightningDriver
@@ -219,12 +221,35 @@ class ActivationCheckpointing(Callback):
     def _bind(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         """The engine on this fit's blocks (`blocks=None`: the chain holding most of `batch`'s step bytes)."""
         driver = LightningDriver(trainer)
-        names, blocks = driver.chain(pl_module, self.blocks, batch)
+        found = driver.chain(pl_module, self.blocks, batch)
         settings = EngineSettings(self._budget_bytes, **self._settings)
+        if isinstance(found, tuple):
+            names, blocks = found
+        else:  # blocks=None: the level of the module tree whose chain plans least recompute (or the largest batch)
+            self.engine, chosen = self._engine_for_chain(found, settings, driver, pl_module, batch)
+            names, blocks = list(chosen.names), list(chosen.modules)
         self.engine = self.engine or CheckpointEngine(settings, driver)
         self.engine.driver = driver
         self.engine.bind(blocks, names, settings, model=pl_module)  # HF caches off for the fit (`model_compat`)
         self.engine.resume_with, self._bound = self._resumed_plan, True
+
+    def _engine_for_chain(self, choice, settings, driver, pl_module, batch):
+        """(engine, chain) of the chain `choice` offers that plans best (`engine.chain_levels`); resumed from a
+        checkpoint, the chain it was planned over when it is among them."""
+        maximize = self.target_batch_size == "max"
+        signature = self._loaded.get("signature") if isinstance(self._loaded, dict) else None
+        stored = [e[0] for e in signature if isinstance(e, (list, tuple)) and e] if isinstance(signature, list) else []
+        match = [c for c in choice.candidates if list(c.names) == stored]
+        if match:
+            choice = dataclasses.replace(match[0], alternatives=())
+
+        def make(cand):
+            engine = CheckpointEngine(settings, driver)
+            engine.bind(list(cand.modules), list(cand.names), settings, model=pl_module)
+            return engine
+
+        plan = (lambda e: e.plan_max(batch)) if maximize else (lambda e: e.preview(batch))
+        return engine_for_chain(choice, make, plan, self.batch_size if not maximize else 1, maximize, rank_zero_info)
 
     def _resumed_plan(self, shape: BatchShape, static, grads_accumulate: bool) -> resume.ResumedPlan | None:
         """What the checkpoint gives the batch of `shape` (consulted once, before the first plan)."""

@@ -61,6 +61,14 @@ def apply_plan(
         return apply_segments(
             blocks, segments, guard_batchnorm=guard_batchnorm, keep_ops=plan.keep_ops, inner_segments=plan.inner_segments
         )
+    calls = [n for n in names if "#" in n]
+    if calls:  # a compiled region is the module's forward: every call of it alike
+        raise ValueError(
+            f"the model is compiled ({', '.join(compiled)}) and the step calls some blocks several times "
+            f"({', '.join(calls[:4])}{', ...' if len(calls) > 4 else ''}); a compiled block is checkpointed as one "
+            "region for all its calls, so a plan that decides per call cannot be applied. Train the model eagerly, "
+            "or name blocks=[...] that run once per step."
+        )
     if plan.keeps:
         rank_zero_warn(
             f"lightning-ckpt: the plan keeps op outputs in {len(plan.keeps)} block(s) (granularity='op'), but the "

@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 
 from lightning_ckpt.profiling.state import preserved_state, unchanged_parameters
 

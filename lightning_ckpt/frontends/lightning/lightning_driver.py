@@ -18,6 +18,7 @@ from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.profiling.blocks import resolve_blocks
+from lightning_ckpt.profiling.discovery import ChainChoice
 from lightning_ckpt.profiling.profile_budget import ProfileBudget
 from lightning_ckpt.profiling.static_memory import StaticMemory
 
@@ -38,15 +39,15 @@ class LightningDriver:
 
     def chain(
         self, pl_module: pl.LightningModule, blocks: str | list[str] | None, batch: Any
-    ) -> tuple[list[str], list[torch.nn.Module]]:
-        """The blocks `blocks` names; with None, the chain that covers most of the bytes `batch`'s
-        step saves (across containers: a U-Net's down, mid and up blocks), said once."""
-        _, names, modules = resolve_blocks(pl_module, blocks)  # None: raises when there is no container at all
+    ) -> tuple[list[str], list[torch.nn.Module]] | ChainChoice:
+        """The blocks `blocks` names; with None, the chains `batch`'s step offers at each level of the module
+        tree (`profiling.discovery`: the engine plans them to choose), said once."""
         if blocks is not None:
+            _, names, modules = resolve_blocks(pl_module, blocks)
             return names, modules
         choice = chain_of_first_batch(self.trainer, pl_module, batch)
         rank_zero_info(f"lightning-ckpt: {choice}")
-        return list(choice.names), list(choice.modules)
+        return choice
 
     def call_chain(
         self, batch: Any, modules: list[torch.nn.Module], names: list[str]

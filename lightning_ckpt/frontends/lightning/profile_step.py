@@ -23,7 +23,7 @@ from lightning_ckpt.frontends.lightning.muted_logging import muted_logging
 from lightning_ckpt.frontends.lightning.strategy_hooks import profiling_context
 from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.costs.machine_rates import MachineRates
-from lightning_ckpt.profiling.batch import slice_batch
+from lightning_ckpt.profiling.batch import batch_size_of, slice_batch
 from lightning_ckpt.profiling.block_calls import call_chain
 from lightning_ckpt.profiling.discovery import ChainChoice, discover_chain
 from lightning_ckpt.profiling.gather import with_recompute_gather
@@ -102,8 +102,8 @@ def calls_of_first_batch(
     trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[torch.nn.Module], names: list[str], batch: Any
 ) -> tuple[list[torch.nn.Module], list[str]]:
     """The chain of calls the training step makes of `modules` (`profiling.block_calls`), read by one
-    forward on one sample of `batch`, every state held."""
+    forward on two samples of `batch` (one BatchNorm cannot train on one), every state held."""
     step_fn = _training_step(trainer, pl_module, 0)
     with held_training(trainer, pl_module, step_fn) as step:
         with profiling_context(trainer), eager_only():
-            return call_chain(pl_module, modules, names, step, slice_batch(batch, 1))
+            return call_chain(pl_module, modules, names, step, slice_batch(batch, min(2, batch_size_of(batch))))

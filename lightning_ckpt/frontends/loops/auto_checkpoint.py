@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from lightning_ckpt.engine import arguments
+from lightning_ckpt.engine.chain_levels import engine_for_chain
 from lightning_ckpt.engine.checkpoint_engine import CheckpointEngine, EngineSettings
 from lightning_ckpt.engine.measured_steps import MeasuredStep
 from lightning_ckpt.frontends.loops.plain_driver import PlainDriver, StepFn
@@ -199,20 +200,32 @@ def auto_checkpoint(
     driver = PlainDriver(model, step_fn, optimizer, optimizer_state_bytes, accumulate_grad_batches > 1, info=info)
     _check_optimizer(driver.optimizer, optimizer_state_bytes)
     budget = arguments.resolve_budget(budget_bytes, _device_of(driver.model))
-    _, names, modules = resolve_blocks(driver.model, blocks)  # None: raises when there is no container at all
-    if blocks is None:  # the chain, across containers, that holds most of the bytes the step saves
-        with preserved_rng():
-            choice = discover_chain(driver.model, step_fn, example_batch)
-        names, modules = list(choice.names), list(choice.modules)
-        driver.info(f"lightning-ckpt: {choice}")
-    _refuse_compiled(model, driver.model, modules)
     settings = EngineSettings(
         budget, policy, every_k, cost_metric, granularity, max_levels, probes, check_batch_size, guard_batchnorm,
         batch_multiple, keep_hf_checkpointing,
         allow_python_state=arguments.check_allow_python_state(allow_python_state),
     )
-    engine = CheckpointEngine(settings, driver)
-    engine.bind(modules, names, model=driver.model)  # HF caches off until `remove` (`model_compat`)
+
+    def bound(modules: list[nn.Module], names: list[str]) -> CheckpointEngine:
+        _refuse_compiled(model, driver.model, modules)
+        engine = CheckpointEngine(settings, driver)
+        engine.bind(modules, names, model=driver.model)  # HF caches off until `remove` (`model_compat`)
+        return engine
+
+    if blocks is None:  # the chain, at the level of the module tree, that plans least recompute
+        with preserved_rng():
+            choice = discover_chain(driver.model, step_fn, example_batch)
+        driver.info(f"lightning-ckpt: {choice}")
+        size = example_batch_size(example_batch) if target_batch_size in (None, "max") else int(target_batch_size)
+        engine, chosen = engine_for_chain(
+            choice, lambda c: bound(list(c.modules), list(c.names)),
+            lambda e: e.plan_max(example_batch) if target_batch_size == "max" else e.preview(example_batch, size),
+            size, target_batch_size == "max", driver.info,
+        )
+        engine.bind(list(chosen.modules), list(chosen.names), model=driver.model)  # bound again: its profile kept
+    else:
+        _, names, modules = resolve_blocks(driver.model, blocks)
+        engine = bound(modules, names)
     try:
         _plan_first(engine, example_batch, target_batch_size)
     except BaseException:

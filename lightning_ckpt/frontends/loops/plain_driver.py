@@ -23,7 +23,7 @@ from lightning_ckpt.apply.segments import AppliedPlan, apply_segments
 from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.planning.plan import Plan
-from lightning_ckpt.profiling.batch import checked_size, slice_batch
+from lightning_ckpt.profiling.batch import batch_size_of, checked_size, slice_batch
 from lightning_ckpt.profiling.ddp_memory import ddp_comm_buffer_bytes
 from lightning_ckpt.profiling.profile_budget import ProfileBudget
 from lightning_ckpt.engine.step_profile import profile_model
@@ -121,13 +121,13 @@ class PlainDriver:
             self.profiling = False
 
     def call_chain(self, batch: Any, modules: list[nn.Module], names: list[str]) -> tuple[list[nn.Module], list[str]]:
-        """The chain of calls one step makes of `modules` (`profiling.block_calls`), read on one sample of `batch`."""
+        """The chain of calls one step makes of `modules` (`profiling.block_calls`), read on two samples of `batch`."""
         ddp = ddp_module(self.wrapped)
         self.profiling = True
         try:
             no_sync = ddp.no_sync() if ddp is not None else contextlib.nullcontext()
             with preserved_rng(), preserved_state(self.model), no_sync:
-                return call_chain(self.model, modules, names, self.step_fn, slice_batch(batch, 1))
+                return call_chain(self.model, modules, names, self.step_fn, slice_batch(batch, min(2, batch_size_of(batch))))
         finally:
             self.profiling = False
 

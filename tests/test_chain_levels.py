@@ -1,0 +1,111 @@
+"""`blocks=None` on hierarchical models: every chain `discover_chain` offers near the best coverage is
+profiled and planned, and the one that recomputes least within the budget is applied (`engine.chain_levels`).
+Swin, ConvNeXt, Funnel, Llava and a conditional U-Net train within the budget, bit-identically to the same
+loop without the library; the choice is said in one line. `pick_chain` on hand-made plans."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from level_models import LEVEL_MODELS
+
+from lightning_ckpt import auto_checkpoint, make_plan, measure_step_peak
+from lightning_ckpt.engine.chain_levels import contenders, pick_chain, plan_score
+from lightning_ckpt.engine.step_profile import profile_model
+from lightning_ckpt.engine.target_plan import cost_at
+from lightning_ckpt.planning.policies import InfeasibleBudgetError
+from lightning_ckpt.profiling.discovery import ChainChoice, discover_chain
+from lightning_ckpt.profiling.static_memory import static_memory
+
+BATCH, STEPS = 8, 3
+
+
+def _optimizer(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _train(model, loss, batches, handle=None):
+    opt = _optimizer(model)
+    losses, peaks = [], []
+    for i, b in enumerate(batches):
+        if handle is not None:
+            handle.step(b)
+        torch.manual_seed(100 + i)
+        peaks.append(measure_step_peak(model, loss, b, opt))  # a step of its own, in both runs
+        torch.manual_seed(i)
+        value = loss(b)
+        opt.zero_grad()
+        value.backward()
+        opt.step()
+        losses.append(value.detach())
+    return losses, peaks
+
+
+def _budget(choice: ChainChoice, model, loss, batch, share: float) -> int:
+    """`share` of the way from `full`'s predicted peak to `none`'s, over the chain `choice`."""
+    profile = profile_model(model, list(choice.modules), loss, batch, names=list(choice.names), timing=False)
+    cost = cost_at(profile, BATCH, static_memory(model, [_optimizer(model)]))
+    full, none = (make_plan(cost, p).predicted_peak_bytes for p in ("full", "none"))
+    return int(full + share * (none - full))
+
+
+@pytest.mark.parametrize(("name", "share"), [("swin", 0.2), ("convnext", 0.2), ("funnel", 0.3), ("llava", 0.3),
+                                             ("unet_conditional", 0.1)])
+def test_blocks_none_plans_the_level_that_recomputes_least_within_budget(name, share):
+    model, loss, make_batch = LEVEL_MODELS[name]()
+    batches = [make_batch(BATCH, seed) for seed in range(STEPS)]
+    choice = discover_chain(model, loss, batches[0])
+    budget = _budget(choice, model, loss, batches[0], share)
+    plain, plain_loss, _ = LEVEL_MODELS[name]()
+    reference, _ = _train(plain, plain_loss, batches)
+    model, loss, _ = LEVEL_MODELS[name]()
+    said: list[str] = []
+    # planned by FLOPs: no choice here rests on a measured time
+    with auto_checkpoint(model, budget, example_batch=batches[0], step_fn=loss, optimizer=_optimizer(model),
+                         verbose=False, info=said.append, cost_metric="flops") as handle:
+        losses, peaks = _train(model, loss, batches, handle)
+        plan, names = handle.plan, handle.block_names
+    found = contenders(choice)
+    chose = [line for line in said if "blocks=None: planning over" in line]
+    if len(found) > 1:  # several levels planned: one line names the chosen and what the others cost
+        assert len(chose) == 1 and all(c.level in chose[0] for c in found)
+    assert tuple(names) in {c.names for c in found}
+    assert plan.fits and plan.checkpointed and max(peaks) <= budget
+    assert all(torch.equal(a, b) for a, b in zip(losses, reference))
+
+
+def _plan(recompute_s: float, fits: bool = True, batch: int = 8):
+    from lightning_ckpt.planning.plan import Plan
+
+    fields = {f.name: None for f in dataclasses.fields(Plan) if f.default is dataclasses.MISSING}
+    fields.update(policy="optimal", batch_size=batch, segments=(), predicted_peak_bytes=10 if fits else 30,
+                  peak_phase="forward", budget_bytes=20, static_bytes=0, recompute_flops=int(recompute_s * 1e9),
+                  recompute_ms=recompute_s * 1e3, step_flops=1, rows=())
+    return Plan(**fields, cost_metric="time", recompute_est_ms=recompute_s * 1e3)
+
+
+def _chain(level: str, covered: int) -> ChainChoice:
+    return ChainChoice(names=(level,), modules=(torch.nn.Linear(1, 1),), covered_bytes=covered, step_bytes=100,
+                       left_out=(), probe_batch_size=2, level=level)
+
+
+def test_pick_chain_plans_the_contenders_and_takes_the_least_recompute():
+    coarse, fine, poor = _chain("stages", 98), _chain("blocks", 98), _chain("layers", 50)
+    choice = dataclasses.replace(fine, alternatives=(coarse, poor))
+    assert [c.level for c in contenders(choice)] == ["blocks", "stages"]  # 50 % covered: not planned
+    plans = {"blocks": _plan(0.002), "stages": _plan(0.001)}
+    index, line = pick_chain(choice, lambda c: plans[c.level], 8)
+    assert index == 1 and line.startswith("blocks=None: planning over stages") and "blocks (1 blocks" in line
+    assert plan_score(plans["stages"]).recompute_cost == pytest.approx(0.001)
+
+    def refuse_stages(c):
+        if c.level == "stages":
+            raise InfeasibleBudgetError("target_batch_size=8 cannot fit")
+        return plans[c.level]
+
+    index, line = pick_chain(choice, refuse_stages, 8)
+    assert index == 0 and "stages (1 blocks, stages..stages) cannot fit batch 8" in line
+    with pytest.raises(InfeasibleBudgetError, match=r"cannot fit \(planned over blocks .*; stages .* cannot either\)"):
+        pick_chain(choice, lambda c: (_ for _ in ()).throw(InfeasibleBudgetError("target_batch_size=8 cannot fit")), 8)
