@@ -334,8 +334,8 @@ class Probe:
         raise AssertionError("hook on a module that is not a block")
 
 
-def _minus(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
-    return a[0] - b[0], a[1] - b[1]
+def _minus(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(x - y for x, y in zip(a, b))  # (mem, rng) bytes, and comm bytes from `ProbeCounters`
 
 
 def _gathers_params(block: nn.Module) -> bool:
