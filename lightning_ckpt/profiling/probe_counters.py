@@ -85,7 +85,7 @@ class _FlopCounting:
         if has_dtensor((args, kwargs)):
             # [constraint] the rank runs it on local shards (redistributed first when the op needs
             # it): those ops are what it costs here, seen by a mode of their own below DTensor's dispatch
-            local = self.local = self.local or LocalWork()
+            local = self.local = self.local or LocalWork(getattr(self, "track_local", None))
             before = local.total_flops
             with local:
                 out = func(*args, **kwargs)
@@ -101,11 +101,12 @@ class LocalWork(_FlopCounting, TorchDispatchMode, WorkTally):
     DTensor's dispatch handle every op on DTensors and counts the plain ops that dispatch runs
     (the local compute, the functional collectives of a redistribution) as `ProbeCounters` does."""
 
-    def __init__(self) -> None:
+    def __init__(self, track: Any = None) -> None:
         super().__init__()
         self._init_tally()
         self.total_flops = 0
         self.local = None
+        self.track = track  # told of every new local storage (the probe's live bytes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -115,7 +116,13 @@ class LocalWork(_FlopCounting, TorchDispatchMode, WorkTally):
             return func(*args, **kwargs)
         before = self.total_flops
         out = self._run_counting_flops(func, args, kwargs, self)
-        self.tally(func, args, kwargs, out, flat_tensors(out), self.total_flops - before)
+        outs = flat_tensors(out)
+        self.tally(func, args, kwargs, out, outs, self.total_flops - before)
+        if self.track is not None:  # scratch of the DTensor op (a redistribution, a loss's partial sums)
+            inputs = {storage_key(t) for t in flat_tensors((args, kwargs))}
+            for t in outs:
+                if storage_key(t) not in inputs:
+                    self.track(t)
         return out
 
 
@@ -133,6 +140,10 @@ class ProbeCounters(_FlopCounting, LiveBytesTracker, WorkTally):
 
     def get_total_flops(self) -> int:
         return self.total_flops
+
+    def track_local(self, t: torch.Tensor) -> None:
+        """A storage an op on DTensors made on this rank: live bytes like any other."""
+        self._track(t)
 
     def snapshot(self) -> tuple[int, int, int]:
         """(mem_bytes, rng_bytes, comm_bytes) so far."""
