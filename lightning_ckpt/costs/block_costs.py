@@ -95,6 +95,11 @@ class BlockCost:
     tail_mem_bytes: the part of `fwd_mem_bytes` after the last saved tensor.
     fwd_rng_bytes: bytes written by random-number ops (dropout's `bernoulli_`).
     tail_rng_bytes: the part of `fwd_rng_bytes` after the last saved tensor.
+    fwd_comm_bytes: bytes the forward moves through functional collectives (tensor parallelism's
+        all-reduce after a row-wise layer, sequence parallelism's all-gather and reduce-scatter), as
+        all-gather outputs that move as much per rank (`profiling.tp_work`): a recompute runs them
+        again, at the measured all-gather rate (`MachineRates.gather_byte_per_s`). Work, not memory.
+    tail_comm_bytes: the part of `fwd_comm_bytes` after the last saved tensor.
     fwd_ms: measured forward wall time, milliseconds.
     chains_from_previous: the block's first input is the previous block's output, or an alias of
         it (`chaining.receives_output`); needed to run several blocks in one checkpointed segment.
@@ -152,6 +157,8 @@ class BlockCost:
     tail_mem_bytes: int = 0
     fwd_rng_bytes: int = 0
     tail_rng_bytes: int = 0
+    fwd_comm_bytes: int = 0
+    tail_comm_bytes: int = 0
     fwd_ms: float = 0.0
     chains_from_previous: bool = True
     gather_bytes: int = 0

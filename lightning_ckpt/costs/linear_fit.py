@@ -29,6 +29,8 @@ _BLOCK_LINEAR = (
     "tail_mem_bytes",
     "fwd_rng_bytes",
     "tail_rng_bytes",
+    "fwd_comm_bytes",
+    "tail_comm_bytes",
     "fwd_ms",
     "carried_fwd_bytes",
     "carried_bwd_bytes",
@@ -36,9 +38,14 @@ _BLOCK_LINEAR = (
     "input_unsaved_bytes",
 )
 # each tail is part of its forward: (tail, whole)
-_TAILS = (("tail_flops", "fwd_flops"), ("tail_mem_bytes", "fwd_mem_bytes"), ("tail_rng_bytes", "fwd_rng_bytes"))
+_TAILS = (
+    ("tail_flops", "fwd_flops"), ("tail_mem_bytes", "fwd_mem_bytes"), ("tail_rng_bytes", "fwd_rng_bytes"),
+    ("tail_comm_bytes", "fwd_comm_bytes"),
+)
 _STEP_LINEAR = ("pre_saved_bytes", "batch_bytes", "post_saved_bytes", "carried_end_bytes")
-_WORK = ("fwd_mem_bytes", "tail_mem_bytes", "fwd_rng_bytes", "tail_rng_bytes")  # bytes written, not held
+_WORK = (  # bytes written or moved, not held
+    "fwd_mem_bytes", "tail_mem_bytes", "fwd_rng_bytes", "tail_rng_bytes", "fwd_comm_bytes", "tail_comm_bytes",
+)
 # what a miss at the check slice is measured on: every size the memory model holds
 _CHECKED = tuple(f for f in _BLOCK_LINEAR if f.endswith("_bytes") and f not in _WORK) + ("ckpt_fwd_peak_bytes",)
 _CHECKED_STEP = (*_STEP_LINEAR, "post_forward_bytes")

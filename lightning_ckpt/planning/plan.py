@@ -67,7 +67,9 @@ class BlockRow:
     fwd_ms: float
     fwd_mem_bytes: int = 0  # written by ops without FLOPs (work, not memory held)
     fwd_rng_bytes: int = 0  # written by random-number ops
-    fwd_est_ms: float | None = None  # estimated from the three at the machine rates, when measured
+    fwd_comm_bytes: int = 0  # moved by the collectives of its forward (tensor parallelism), as all-gather output
+    gather_bytes: int = 0  # parameters its recompute all-gathers again (ZeRO-3)
+    fwd_est_ms: float | None = None  # estimated from the work above at the machine rates, when measured
     kept_bytes: int = 0  # op outputs kept from forward to backward (op-level plans)
     kept_flops: int = 0  # the FLOPs of the kept calls, not recomputed
     kept_est_ms: float = 0.0  # their estimated time, not recomputed
@@ -183,7 +185,12 @@ class Plan:
                 measured = MachineRates.from_dict(self.rates)
                 rates = f" at {measured}"
                 if measured.gather_byte_per_s is not None:
-                    work = "FLOPs, memory-bound bytes, random bytes and parameters all-gathered again"
+                    again = [what for what, n in (
+                        ("parameters all-gathered again", sum(r.gather_bytes for r in self.rows)),
+                        ("tensor-parallel collectives run again", sum(r.fwd_comm_bytes for r in self.rows)),
+                    ) if n]
+                    if again:
+                        work = f"FLOPs, memory-bound bytes, random bytes and {' and '.join(again)}"
             lines.append(f"estimated recompute {self.recompute_est_ms:.1f} ms: {work}{rates}")
         if self.gap > 0:
             lines.append(f"planner stopped at its time limit: within {100 * self.gap:.2g} % of the optimum (proven bound)")

@@ -364,6 +364,8 @@ def build_plan(
             i, b.name, owner[i] >= 0, owner[i], b.saved_bytes, b.input_bytes, int(b.fwd_flops), float(b.fwd_ms),
             fwd_mem_bytes=int(b.fwd_mem_bytes),
             fwd_rng_bytes=int(b.fwd_rng_bytes),
+            fwd_comm_bytes=int(b.fwd_comm_bytes),
+            gather_bytes=int(b.gather_bytes),
             fwd_est_ms=None if rates is None else block_recompute(b, "time", rates),
             kept_bytes=kept_bytes(b, kept.get(i, ())),
             kept_flops=int(kept_value(b, kept.get(i, ()), "flops", None)),

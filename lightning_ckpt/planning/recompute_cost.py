@@ -5,9 +5,10 @@ count 0). ms: each block's forward timed once when profiling (noisy). time:
 estimated milliseconds, the block's FLOPs, memory-bound bytes and random bytes each
 at the machine rate measured with the profile (`MachineRates`) and a fixed cost per
 op call it recomputes (`MachineRates.op_call_s`), plus, under sharded training, the
-parameter bytes its recompute all-gathers again at the measured all-gather rate. Every checkpointed block is rebuilt once; a segment's last block
-skips its ops after its last saved tensor (torch's early stop), never its gather (it
-comes first); a segment adds a fixed, measured overhead in `time`.
+parameter bytes its recompute all-gathers again and the collectives its forward runs (tensor
+parallelism) at the measured all-gather rate. Every checkpointed block is rebuilt once; a
+segment's last block skips its ops and collectives after its last saved tensor (torch's early
+stop), never its gather (it comes first); a segment adds a fixed, measured overhead in `time`.
 """
 
 from __future__ import annotations
@@ -42,14 +43,15 @@ def metric_rates(cost: StepCost, metric: str) -> MachineRates | None:
 
 def block_recompute(block, metric: str = "flops", rates: MachineRates | None = None) -> float:
     """Forward cost of one block in `metric` (`flops`, `ms`, or `time` with `rates`); in `time`
-    with the all-gather of its `gather_bytes` (0 ms without a measured all-gather rate)."""
+    with the all-gather of its `gather_bytes` and its collectives (`fwd_comm_bytes`), 0 ms
+    without a measured all-gather rate."""
     if metric == "flops":
         return block.fwd_flops
     if metric == "ms":
         return block.fwd_ms
     rates = _need_rates(rates, metric)
     work = rates.fwd_ms(block.fwd_flops, block.fwd_mem_bytes, block.fwd_rng_bytes, op_calls(block))
-    return work + rates.gather_ms(block.gather_bytes)
+    return work + rates.gather_ms(block.gather_bytes + block.fwd_comm_bytes)
 
 
 def op_calls(block, tail: bool = False) -> int:
@@ -67,7 +69,8 @@ def skipped_tail(block, metric: str = "flops", rates: MachineRates | None = None
     if metric == "ms":
         return block.fwd_ms * (block.tail_flops / block.fwd_flops) if block.fwd_flops else 0.0
     rates = _need_rates(rates, metric)
-    return rates.fwd_ms(block.tail_flops, block.tail_mem_bytes, block.tail_rng_bytes, op_calls(block, tail=True))
+    tail = rates.fwd_ms(block.tail_flops, block.tail_mem_bytes, block.tail_rng_bytes, op_calls(block, tail=True))
+    return tail + rates.gather_ms(block.tail_comm_bytes)
 
 
 def _need_rates(rates: MachineRates | None, metric: str) -> MachineRates:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lightning_ckpt.costs.block_costs import BlockCost, OpCost, StepCost
-from lightning_ckpt.costs.linear_fit import _BLOCK_LINEAR, _SIGNED_TIMES, _STEP_LINEAR, Profile, relative_miss
+from lightning_ckpt.costs.linear_fit import _BLOCK_LINEAR, _SIGNED_TIMES, _STEP_LINEAR, _TAILS, Profile, relative_miss
 
 FIT_TOLERANCE = 0.01  # worst leave-one-out miss (share of the step's checked bytes) under which the fit is trusted
 MIN_FIT_LENGTHS = 4  # the leave-one-out check of a quadratic needs three lengths left in
@@ -74,7 +74,7 @@ def _fit_block(blocks: Sequence[BlockCost], w: Sequence[float]) -> BlockCost:
     kw["input_saved_bytes"] = min(kw["input_saved_bytes"], kw["input_bytes"])
     kw["output_saved_bytes"] = min(kw["output_saved_bytes"], kw["output_bytes"])
     kw["input_saved_by_previous_bytes"] = min(kw["input_saved_by_previous_bytes"], kw["input_bytes"])
-    for tail, whole in (("tail_flops", "fwd_flops"), ("tail_mem_bytes", "fwd_mem_bytes"), ("tail_rng_bytes", "fwd_rng_bytes")):
+    for tail, whole in _TAILS:
         kw[tail] = min(kw[tail], kw[whole])
     kw["chains_from_previous"] = all(b.chains_from_previous for b in blocks)
     kw["ops"] = _fit_ops([b.ops for b in blocks], w)

@@ -5,7 +5,9 @@ GELU, dropout, embedding lookups, batch norm, relu and adds count 0 FLOPs but ta
 real time. `OpBytesCounter` is a dispatch mode stacked above a `FlopCounterMode`: each
 op that counter gives 0 FLOPs adds the bytes it writes to `mem_bytes`, or to
 `rng_bytes` when it draws random numbers (dropout's `bernoulli_`), which is much
-slower per byte on CPU. What an op writes is defined in `written_bytes`.
+slower per byte on CPU. What an op writes is defined in `written_bytes`; a functional
+collective (tensor parallel's all-reduce, all-gather, reduce-scatter) adds to `comm_bytes`
+instead (`tp_work.collective_bytes`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_ckpt.profiling.tp_work import collective_bytes, is_collective
 from lightning_ckpt.profiling.tracker import flat_tensors, storage_key
 
 __all__ = ["OpBytesCounter", "WorkTally", "written_bytes"]
@@ -67,9 +70,10 @@ def _is_random(func: Any) -> bool:
 
 
 class WorkTally:
-    """Running totals of the work ops did: FLOPs by dtype, bytes written, random bytes drawn.
+    """Running totals of the work ops did: FLOPs by dtype, bytes written, random bytes drawn,
+    bytes moved by functional collectives (`comm_bytes`, as all-gather outputs: `tp_work`).
 
-    `mem_bytes` and `rng_bytes` are running totals (read them before and after a region).
+    `mem_bytes`, `rng_bytes` and `comm_bytes` are running totals (read them before and after a region).
     `flop_dtypes` and `mem_dtypes` weigh each (device, dtype) by the FLOPs or bytes done in
     it, so the machine rates can be measured where the work is. `on_op`, when set, is
     called after each op with `(func, args, kwargs, outs, flops, mem_bytes, rng_bytes)`: its
@@ -80,6 +84,7 @@ class WorkTally:
     def _init_tally(self) -> None:
         self.mem_bytes = 0
         self.rng_bytes = 0
+        self.comm_bytes = 0
         self.flop_dtypes: Counter[tuple[str, torch.dtype]] = Counter()
         self.mem_dtypes: Counter[tuple[str, torch.dtype]] = Counter()
         self.on_op: Callable[..., None] | None = None
@@ -88,12 +93,25 @@ class WorkTally:
         """(mem_bytes, rng_bytes) so far."""
         return self.mem_bytes, self.rng_bytes
 
-    def tally(self, func: Any, args: tuple, kwargs: dict, out: Any, outs: list, flops: int, inputs: set | None = None) -> None:
+    def tally(
+        self, func: Any, args: tuple, kwargs: dict, out: Any, outs: list, flops: int, inputs: set | None = None,
+        local: "WorkTally | None" = None,
+    ) -> None:
         """Count one op: `outs` its tensor outputs, `flops` what the FLOP counter gave it;
-        `inputs`, when known, the storage keys of its tensor arguments."""
+        `inputs`, when known, the storage keys of its tensor arguments. `local`: the work the op
+        did on this rank's local tensors (a DTensor op, `tp_work.LocalWork`), counted instead."""
         first = outs[0] if outs else None
         mem = rng = 0
-        if flops:
+        if local is not None:
+            mem, rng = local.mem_bytes, local.rng_bytes
+            self.mem_bytes += mem
+            self.rng_bytes += rng
+            self.comm_bytes += local.comm_bytes
+            self.flop_dtypes.update(local.flop_dtypes)
+            self.mem_dtypes.update(local.mem_dtypes)
+        elif is_collective(func):
+            self.comm_bytes += collective_bytes(func, args, kwargs, outs)
+        elif flops:
             if first is not None:
                 self.flop_dtypes[(str(first.device), first.dtype)] += flops
         else:

@@ -328,8 +328,8 @@ class Probe:
         self.post_peak += held_rise(led, t0, self.post_end_tick, held)
 
 
-def _minus(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
-    return a[0] - b[0], a[1] - b[1]
+def _minus(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(x - y for x, y in zip(a, b))  # (mem, rng) bytes, and comm bytes from `ProbeCounters`
 
 
 def _gathers_params(block: nn.Module) -> bool:

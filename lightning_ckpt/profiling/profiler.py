@@ -41,6 +41,8 @@ from lightning_ckpt.profiling.probe_hooks import Probe
 from lightning_ckpt.profiling.profile_budget import NoRoom, ProfileBudget, SliceRoom, check_within, optional_pass, probe_within
 from lightning_ckpt.profiling.profile_budget import AT_LIMIT, SampleTooLong, released, smaller_probes
 from lightning_ckpt.profiling.state import preserved_state
+from lightning_ckpt.profiling.tp_memory import local_nbytes
+from lightning_ckpt.profiling.tp_work import comm_bytes
 from lightning_ckpt.profiling.written_state import WrittenStateWatch
 from lightning_ckpt.profiling.tracker import storage_key, unique_storage_bytes
 
@@ -49,7 +51,7 @@ MAX_REFITS = 2  # how often profiling leaves its smallest slice out and checks o
 
 
 def _grad_bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    return sum(local_nbytes(p) for p in module.parameters() if p.requires_grad)  # this rank's shards
 
 
 def _entry_grad_bytes(blocks: Sequence[nn.Module]) -> list[int]:
@@ -82,7 +84,7 @@ def probe_step(
     batch_keys = {storage_key(t) for t in batch_tensors} - {None}
     inside = {id(p) for b in blocks for p in b.parameters()}
     outside = {  # trainable parameters outside the blocks: where the forward reads them last
-        storage_key(p): p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and id(p) not in inside
+        storage_key(p): local_nbytes(p) for p in model.parameters() if p.requires_grad and id(p) not in inside
     }
     outside.pop(None, None)
     with preserved_state(model):
@@ -152,6 +154,8 @@ def probe_step(
             tail_mem_bytes=probe.tail_work(i)[0],
             fwd_rng_bytes=probe.fwd_work[i][1],
             tail_rng_bytes=probe.tail_work(i)[1],
+            fwd_comm_bytes=comm_bytes(probe.fwd_work[i]),
+            tail_comm_bytes=comm_bytes(probe.tail_work(i)),
             fwd_ms=fwd_ms[i],
             chains_from_previous=probe.chains[i] if i > 0 else True,
             ops=probe.ops[i],

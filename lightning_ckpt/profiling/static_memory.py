@@ -2,7 +2,9 @@
 
 Counted from the live objects where they exist; the optimizer's state is estimated
 from its type before its first step (Adam keeps two moments per parameter, SGD
-with momentum one buffer, ...), since most optimizers create it lazily.
+with momentum one buffer, ...), since most optimizers create it lazily. Every size is what
+this process holds: a DTensor parameter (tensor parallelism) by its local shard
+(`tp_memory.local_nbytes`), and so its gradient and optimizer state.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_ckpt.profiling.tp_memory import local_nbytes
 from lightning_ckpt.profiling.tracker import unique_storage_bytes
 
 
@@ -47,7 +50,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     total = 0
     for group in optimizer.param_groups:
         params = _trainable(group["params"])
-        nbytes = sum(p.numel() * p.element_size() for p in params)
+        nbytes = sum(local_nbytes(p) for p in params)
         per_param_scalar = 4 * len(params)  # Adam-style `step` tensors
         if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
             total += nbytes * (3 if group.get("amsgrad") else 2) + per_param_scalar
@@ -74,8 +77,8 @@ def optimizer_transient_bytes(optimizer: torch.optim.Optimizer) -> int:
         return 0
     foreach = any(g.get("foreach") for g in optimizer.param_groups) or all(p.is_cuda for p in params)
     if foreach:
-        return sum(p.numel() * p.element_size() for p in params)
-    return 2 * max(p.numel() * p.element_size() for p in params)
+        return sum(local_nbytes(p) for p in params)
+    return 2 * max(local_nbytes(p) for p in params)
 
 
 def static_memory(model: nn.Module, optimizers: list[torch.optim.Optimizer] | tuple = ()) -> StaticMemory:
@@ -83,7 +86,7 @@ def static_memory(model: nn.Module, optimizers: list[torch.optim.Optimizer] | tu
     return StaticMemory(
         param_bytes=unique_storage_bytes(params),
         buffer_bytes=unique_storage_bytes(model.buffers()),
-        grad_bytes=sum(p.numel() * p.element_size() for p in _trainable(params)),
+        grad_bytes=sum(local_nbytes(p) for p in _trainable(params)),
         optimizer_state_bytes=sum(optimizer_state_bytes(o) for o in optimizers),
         optimizer_transient_bytes=max((optimizer_transient_bytes(o) for o in optimizers), default=0),
     )

@@ -5,7 +5,8 @@ context, inside the strategy's profiling context and with `self.log` muted, so t
 see what training sees and leave the run (metrics, gradients, DeepSpeed's state) alone;
 optimizer and scheduler steps are skipped and, under manual optimization, the profiler
 runs the backward that `manual_backward` is given (`held_training`).
-Under sharded training every rank also measures the all-gather rate (`profiling.gather`).
+Under sharded training every rank also measures the all-gather rate (`profiling.gather`); a loss
+computed under `loss_parallel` is backpropagated under it (`loss_parallel`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_ckpt.profiling.batch import checked_size
 from lightning_ckpt.frontends.lightning.compiled import compiled_by, eager_only, one_block_profile
 from lightning_ckpt.frontends.lightning.held_training import held_training
+from lightning_ckpt.frontends.lightning.loss_parallel import held_loss_parallel
 from lightning_ckpt.frontends.lightning.muted_logging import muted_logging
 from lightning_ckpt.frontends.lightning.strategy_hooks import profiling_context
 from lightning_ckpt.costs.linear_fit import Profile
@@ -69,7 +71,8 @@ def profile_first_batch(
     step_fn = _training_step(trainer, pl_module, batch_idx)
     # optimizers, schedulers and counters held still; a manual step's backward is run by the profiler
     with held_training(trainer, pl_module, step_fn) as step:
-        with profiling_context(trainer), eager_only():  # a compiled model is profiled as its original code
+        # a compiled model is profiled as its original code; a loss under `loss_parallel` backpropagated as in training
+        with profiling_context(trainer), eager_only(), held_loss_parallel():
             profile = profile_model(pl_module, blocks, step, batch, probes, check, names=names, calibrate_keeps=calibrate_keeps, rates=rates,
                                     time_blocks=time_blocks, budget=budget)
         profile = one_block_profile(profile, compiled_by(pl_module, blocks))  # compiled: one block per region
