@@ -1,6 +1,6 @@
 """Hierarchical models from tiny configs (random weights, no downloads), each as (model, loss, make_batch):
-HF Swin and ConvNeXt (stages of blocks), Funnel (a list of lists), Llava (a CLIP vision tower and a Llama)
-and diffusers' UNet2DConditionModel. `make_batch(n, seed)` gives a training batch of `n` samples."""
+HF Swin and ConvNeXt (stages of blocks), Funnel (a list of lists), Llava (a CLIP vision tower and a Llama),
+diffusers' UNet2DConditionModel, and HF Reformer (reversible layers, which save nothing). `make_batch(n, seed)` gives a training batch of `n` samples."""
 
 from __future__ import annotations
 
@@ -93,7 +93,25 @@ def tiny_unet_conditional() -> Built:
     return model, lambda b: model(b[0], b[1], encoder_hidden_states=b[2]).sample.square().mean(), batch
 
 
+def tiny_reformer() -> Built:
+    """Reformer's reversible layers run with autograd off inside their own Function: they save nothing."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.ReformerConfig(
+        vocab_size=50, hidden_size=16, attention_head_size=8, num_attention_heads=2, feed_forward_size=32,
+        attn_layers=["local", "local"], axial_pos_shape=[4, 4], axial_pos_embds_dim=[8, 8], is_decoder=True,
+        local_attn_chunk_length=4, max_position_embeddings=16,
+    )
+    model = transformers.ReformerModelWithLMHead(config).train()
+
+    def batch(n: int, seed: int) -> torch.Tensor:
+        return torch.randint(0, 50, (n, 16), generator=torch.Generator().manual_seed(seed))
+
+    return model, lambda b: model(input_ids=b, labels=b).loss, batch
+
+
 LEVEL_MODELS = {
     "swin": tiny_swin, "convnext": tiny_convnext, "funnel": tiny_funnel, "llava": tiny_llava,
-    "unet_conditional": tiny_unet_conditional,
+    "unet_conditional": tiny_unet_conditional, "reformer": tiny_reformer,
 }

@@ -201,3 +201,46 @@ def test_albert_trains_within_budget_bit_identical_with_some_layer_calls_checkpo
     assert max(peaks) <= budget
     assert abs(plan.predicted_peak_bytes - max(peaks)) <= 0.03 * max(peaks)
     assert all(torch.equal(a, b) for a, b in zip(losses, reference))
+
+
+def test_a_step_with_other_block_calls_than_planned_is_said_with_the_counts():
+    model = Shared(depth=4)
+    x = torch.randn(8, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with auto_checkpoint(model, "1GiB", example_batch=x, step_fn=model, optimizer=opt, blocks=["layer"], policy="full",
+                         verbose=False, info=lambda m: None) as handle:
+        assert handle.block_names == [f"layer#{k}" for k in range(4)]
+        model(x).backward()
+        handle.step(x)  # the step before called the layer 4 times, as planned: nothing to say
+        model.depth = 3
+        model(x).backward()
+        with pytest.warns(UserWarning, match=r"the last step called 'layer' 3 times \(planned 4\) with grad enabled"):
+            handle.step(x)
+
+
+class MaskedBlock(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x)) * mask
+
+
+def test_a_segment_keeps_no_extra_argument_past_the_step():
+    """The mask every block of a segment gets is held for the recompute, and let go when the step ends."""
+    import gc
+    import weakref
+
+    blocks = nn.ModuleList(MaskedBlock() for _ in range(3))
+    handle = apply_segments(list(blocks), [(0, 2)])
+    x, mask = torch.randn(4, 16, requires_grad=True), torch.ones(4, 16)
+    seen = weakref.ref(mask)
+    h = x
+    for b in blocks:
+        h = b(h, mask)
+    h.sum().backward()
+    del h, mask
+    gc.collect()
+    assert seen() is None
+    handle.remove()

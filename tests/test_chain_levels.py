@@ -109,3 +109,12 @@ def test_pick_chain_plans_the_contenders_and_takes_the_least_recompute():
     assert index == 0 and "stages (1 blocks, stages..stages) cannot fit batch 8" in line
     with pytest.raises(InfeasibleBudgetError, match=r"cannot fit \(planned over blocks .*; stages .* cannot either\)"):
         pick_chain(choice, lambda c: (_ for _ in ()).throw(InfeasibleBudgetError("target_batch_size=8 cannot fit")), 8)
+
+
+def test_a_chain_that_saves_nothing_is_refused_with_its_bytes():
+    """Reformer's reversible layers save 0 B for backward: checkpointing them cannot help, said before any step."""
+    model, loss, make_batch = LEVEL_MODELS["reformer"]()
+    with pytest.raises(ValueError, match=r"hold 0 B of the .* the step saves for backward .* cannot lower memory"):
+        auto_checkpoint(model, "1GiB", example_batch=make_batch(4, 0), step_fn=loss, optimizer=_optimizer(model),
+                        verbose=False, info=lambda m: None)
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())

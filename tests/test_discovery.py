@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from level_models import tiny_convnext, tiny_funnel, tiny_llava, tiny_swin, tiny_unet_conditional
+from level_models import tiny_convnext, tiny_funnel, tiny_llava, tiny_reformer, tiny_swin, tiny_unet_conditional
 from models import MLPBlock
 from torch import nn
 
@@ -187,16 +187,8 @@ def test_unet_offers_its_top_blocks_and_their_resnets_and_attentions():
 
 
 def test_reformer_layers_save_nothing_and_are_offered_with_their_0_bytes():
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.ReformerConfig(
-        vocab_size=50, hidden_size=16, attention_head_size=8, num_attention_heads=2, feed_forward_size=32,
-        attn_layers=["local", "local"], axial_pos_shape=[4, 4], axial_pos_embds_dim=[8, 8], is_decoder=True,
-        local_attn_chunk_length=4, max_position_embeddings=16,
-    )
-    model = transformers.ReformerModelWithLMHead(config).train()
-    choice = discover_chain(model, lambda b: model(input_ids=b, labels=b).loss, torch.randint(0, 50, (4, 16)))
+    model, loss, make_batch = tiny_reformer()
+    choice = discover_chain(model, loss, make_batch(4, 0))
     assert choice.names == ("reformer.encoder.layers.0", "reformer.encoder.layers.1")
     assert choice.covered_bytes == 0 < choice.step_bytes and choice.grad_off_calls == 2
     text = describe_nothing_saved(choice)
