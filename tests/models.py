@@ -90,6 +90,31 @@ def loop_steps(step_fn, batches, optimizer, handle=None) -> list[torch.Tensor]:
     return losses
 
 
+def steps_with_peaks(model: nn.Module, loss_fn, batches, handle=None, optimizer=None, between=None):
+    """Train `model` one AdamW (or `optimizer`) step per batch, each step's whole peak measured first
+    (`measure_step_peak`, a step of its own, in every run alike): the seed is set before each, so two runs
+    draw alike. `handle.step(batch)` first when an `auto_checkpoint` handle is given; `between(i)` is called
+    right before each training forward. -> (losses, peaks)."""
+    from lightning_ckpt import measure_step_peak
+
+    opt = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses, peaks = [], []
+    for i, batch in enumerate(batches):
+        if handle is not None:
+            handle.step(batch)
+        torch.manual_seed(100 + i)
+        peaks.append(measure_step_peak(model, loss_fn, batch, opt))
+        torch.manual_seed(i)
+        if between is not None:
+            between(i)
+        loss = loss_fn(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses, peaks
+
+
 class IdentityWrap(torch.autograd.Function):
     """An identity autograd Function like those DeepSpeed ZeRO-3 puts around every module's
     inputs and outputs: the forward returns `x.detach()` (a new tensor object on the same

@@ -9,7 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_ckpt import auto_checkpoint, measure_step_peak
+from models import steps_with_peaks
+
+from lightning_ckpt import auto_checkpoint
 from lightning_ckpt.apply.segments import apply_segments
 from lightning_ckpt.profiling.block_calls import CallSites, TooManyCalls, call_chain, call_names, hook_calls, occurrences
 from lightning_ckpt.profiling.profiler import probe_step
@@ -171,28 +173,17 @@ def test_albert_trains_within_budget_bit_identical_with_some_layer_calls_checkpo
     """HF ALBERT runs one layer module at every depth (6 calls per step): with blocks=None each call is a block."""
     batches = [_albert_batch(8, seed) for seed in range(3)]
 
-    def train(model, handle=None):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        losses, peaks = [], []
-        for b in batches:
-            if handle is not None:
-                handle.step(b)
-            peaks.append(measure_step_peak(model, lambda batch: model(**batch).loss, b, opt))
-            loss = model(**b).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
-        return losses, peaks
+    def loss(model):
+        return lambda batch: model(**batch).loss
 
     plain = _tiny_albert().train()
-    reference, plain_peaks = train(plain)
+    reference, plain_peaks = steps_with_peaks(plain, loss(plain), batches)
     model = _tiny_albert().train()
     budget = int(0.85 * max(plain_peaks))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with auto_checkpoint(model, budget, example_batch=batches[0], step_fn=lambda b: model(**b).loss, optimizer=opt,
                          blocks=None, verbose=False, info=lambda m: None, cost_metric="flops") as handle:
-        losses, peaks = train(model, handle)
+        losses, peaks = steps_with_peaks(model, loss(model), batches, handle, opt)
         plan = handle.plan
     names = [r.name for r in plan.rows]
     # blocks=None finds the one layer group module, called once per depth

@@ -10,8 +10,9 @@ import dataclasses
 import pytest
 import torch
 from level_models import LEVEL_MODELS
+from models import steps_with_peaks
 
-from lightning_ckpt import auto_checkpoint, make_plan, measure_step_peak
+from lightning_ckpt import auto_checkpoint, make_plan
 from lightning_ckpt.engine.chain_levels import contenders, pick_chain, plan_score
 from lightning_ckpt.engine.step_profile import profile_model
 from lightning_ckpt.engine.target_plan import cost_at
@@ -24,23 +25,6 @@ BATCH, STEPS = 8, 3
 
 def _optimizer(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-
-def _train(model, loss, batches, handle=None):
-    opt = _optimizer(model)
-    losses, peaks = [], []
-    for i, b in enumerate(batches):
-        if handle is not None:
-            handle.step(b)
-        torch.manual_seed(100 + i)
-        peaks.append(measure_step_peak(model, loss, b, opt))  # a step of its own, in both runs
-        torch.manual_seed(i)
-        value = loss(b)
-        opt.zero_grad()
-        value.backward()
-        opt.step()
-        losses.append(value.detach())
-    return losses, peaks
 
 
 def _budget(choice: ChainChoice, model, loss, batch, share: float) -> int:
@@ -59,13 +43,13 @@ def test_blocks_none_plans_the_level_that_recomputes_least_within_budget(name, s
     choice = discover_chain(model, loss, batches[0])
     budget = _budget(choice, model, loss, batches[0], share)
     plain, plain_loss, _ = LEVEL_MODELS[name]()
-    reference, _ = _train(plain, plain_loss, batches)
+    reference, _ = steps_with_peaks(plain, plain_loss, batches)
     model, loss, _ = LEVEL_MODELS[name]()
     said: list[str] = []
     # planned by FLOPs: no choice here rests on a measured time
     with auto_checkpoint(model, budget, example_batch=batches[0], step_fn=loss, optimizer=_optimizer(model),
                          verbose=False, info=said.append, cost_metric="flops") as handle:
-        losses, peaks = _train(model, loss, batches, handle)
+        losses, peaks = steps_with_peaks(model, loss, batches, handle)
         plan, names = handle.plan, handle.block_names
     found = contenders(choice)
     chose = [line for line in said if "blocks=None: planning over" in line]

@@ -210,7 +210,9 @@ def test_wav2vec2_with_its_default_layerdrop_trains_within_budget_bit_identicall
     steps that skip layers (seen here) stay bit-identical to training without the library and within budget."""
     from transformers import Wav2Vec2Config, Wav2Vec2ForSequenceClassification
 
-    from lightning_ckpt import auto_checkpoint, make_plan, measure_step_peak
+    from models import steps_with_peaks
+
+    from lightning_ckpt import auto_checkpoint, make_plan
     from lightning_ckpt.engine.step_profile import profile_model
     from lightning_ckpt.engine.target_plan import cost_at
     from lightning_ckpt.profiling.static_memory import static_memory
@@ -230,45 +232,35 @@ def test_wav2vec2_with_its_default_layerdrop_trains_within_budget_bit_identicall
                for _ in range(8)]
     blocks = "wav2vec2.encoder.layers"
 
-    def train(model, handle=None, runs=None):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        losses, peaks = [], []
-        for b in batches:
-            if handle is not None:
-                handle.step(b)
-            torch.manual_seed(100 + len(losses))
-            peaks.append(measure_step_peak(model, lambda batch: model(**batch).loss, b, opt))  # a step of its own
-            torch.manual_seed(len(losses))  # the same draws (LayerDrop's, dropout's) in both runs
-            if runs is not None:
-                runs.append(0)  # the layers run in this forward (its recomputes come later, in the backward)
-            loss = model(**b).loss
-            if runs is not None:
-                runs.append(None)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
-        return losses, peaks
+    def loss(model):
+        return lambda batch: model(**batch).loss
 
     model = build()
     names = [f"{blocks}.{i}" for i in range(6)]
-    profile = profile_model(model, list(model.wav2vec2.encoder.layers), lambda b: model(**b).loss, batches[0],
-                            names=names, timing=False)
+    profile = profile_model(model, list(model.wav2vec2.encoder.layers), loss(model), batches[0], names=names,
+                            timing=False)
     cost = cost_at(profile, 8, static_memory(model, [torch.optim.AdamW(model.parameters())]))
     full, none = (make_plan(cost, p).predicted_peak_bytes for p in ("full", "none"))
     budget = int(full + 0.3 * (none - full))
-    reference, _ = train(build())
+    plain = build()
+    reference, _ = steps_with_peaks(plain, loss(plain), batches)
     model = build()
-    runs: list[int] = []
+    runs: list[int] = []  # per training forward, the encoder layers that ran (not the recomputes, not the measuring)
+    counting = [False]
+
+    def start(i: int) -> None:
+        runs.append(0)
+        counting[0] = True
+
+    model.register_forward_hook(lambda m, a, o: counting.__setitem__(0, False))
     for layer in model.wav2vec2.encoder.layers:
-        layer.register_forward_pre_hook(lambda m, a: runs.__setitem__(-1, runs[-1] + 1) if runs and runs[-1] is not None else None)
+        layer.register_forward_pre_hook(lambda m, a: runs.__setitem__(-1, runs[-1] + 1) if counting[0] else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with auto_checkpoint(model, budget, example_batch=batches[0], step_fn=lambda b: model(**b).loss, optimizer=opt,
+    with auto_checkpoint(model, budget, example_batch=batches[0], step_fn=loss(model), optimizer=opt,
                          blocks=blocks, verbose=False, info=lambda m: None) as handle:
-        losses, peaks = train(model, handle, runs)
+        losses, peaks = steps_with_peaks(model, loss(model), batches, handle, opt, between=start)
         plan = handle.plan
-    counts = [r for r in runs if r is not None]
-    assert len(counts) == len(batches) and min(counts) < 6  # some steps skipped layers
+    assert len(runs) == len(batches) and min(runs) < 6  # some steps skipped layers
     assert plan.checkpointed and all(a == b for a, b in plan.segments)  # one block per segment
     assert max(peaks) <= budget
     assert all(torch.equal(a, b) for a, b in zip(losses, reference))

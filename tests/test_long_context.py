@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_profile_budget import WITHIN, _held, heap_peak, kept_timings  # noqa: F401 - a fixture
+from models import steps_with_peaks
 from zoo_models import llama
 
 from lightning_ckpt import auto_checkpoint, make_plan, measure_step_peak
@@ -55,27 +56,8 @@ def _budget(model, batch, share: float) -> int:
 
 
 def _train(model, batches, handle=None) -> tuple[list[torch.Tensor], list[int]]:
-    """Each batch's step measured (state as found), then the steps run as losses."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    def loss(b):
-        return model(**b).loss
-
-    peaks = []
-    for batch in batches:
-        if handle is not None:
-            handle.step(batch)
-        peaks.append(measure_step_peak(model, loss, batch, opt))
-    losses = []
-    for batch in batches:
-        if handle is not None:
-            handle.step(batch)
-        out = loss(batch)
-        out.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(out.detach())
-    return losses, peaks
+    """Each batch's step measured, then trained (`steps_with_peaks`)."""
+    return steps_with_peaks(model, lambda b: model(**b).loss, batches, handle)
 
 
 def test_the_token_dimension_of_one_packed_row_is_found_and_its_prefix_is_a_packed_row():
