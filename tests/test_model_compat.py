@@ -16,6 +16,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from zoo_models import ZOO, ZooModel, llama, lora_llama, t5
 
 from lightning_ckpt import apply_segments
+from lightning_ckpt.profiling.block_calls import call_chain
+from lightning_ckpt.profiling.state import preserved_state
 from lightning_ckpt.apply.recompute_errors import RecomputeMismatchError, explain_checkpoint_error, explained_checkpoint_errors
 from lightning_ckpt.engine.model_prep import ModelCompatWarning, prepare_model
 from lightning_ckpt.profiling.forward_hazards import forward_hazards, live_bytes_per_step
@@ -268,22 +270,36 @@ STEP_FLOPS = 10**10
 
 @pytest.mark.parametrize("name", list(ZOO))
 def test_zoo_models_train_a_step_quickly_with_nothing_to_report(name):
-    """Quickly as work done: a tiny model, and a prepared model's plain step recomputes nothing (its
-    backward costs at most twice its forward, counted in FLOPs)."""
+    """Quickly as work done: a tiny model (FLOPs counted), and a prepared model's plain step recomputes
+    nothing (no module's forward runs in its backward)."""
     entry = _build(ZOO[name])
     prepared, _ = _quiet_prepare(entry.model)
     names, blocks = entry.blocks()
+    with preserved_state(entry.model):  # a module called several times per step is a block per call
+        blocks, names = call_chain(entry.model, blocks, names, entry.loss, entry.batch(2))
     assert len(blocks) >= 3 and prepared.hazards == ()
-    assert forward_hazards(entry.model, lambda: entry.loss(entry.batch(2))) == ()
+    found = forward_hazards(entry.model, lambda: entry.loss(entry.batch(2)))
+    if name == "swin":  # HF's SwinLayer sets `shift_size` to 0 where the window covers the image: reported, kept
+        assert len(found) == 1 and "changes its attribute 'shift_size' in its forward (1 -> 0)" in found[0], found
+    else:
+        assert found == ()
     opt = torch.optim.AdamW([p for p in entry.model.parameters() if p.requires_grad])
+    again = []  # [recompute] module forwards run in the backward
+    hooks = [m.register_forward_pre_hook(lambda m, a: again.append(m) if backward_running[0] else None)
+             for m in entry.model.modules()]
+    backward_running = [False]
     with FlopCounterMode(display=False) as forward:
         loss = entry.loss(entry.batch(4))
+    backward_running[0] = True
     with FlopCounterMode(display=False) as backward:
         loss.backward()
+    backward_running[0] = False
+    for h in hooks:
+        h.remove()
     opt.step()
     fwd, bwd = forward.get_total_flops(), backward.get_total_flops()
     assert 0 < fwd and fwd + bwd <= STEP_FLOPS, (fwd, bwd)
-    assert bwd <= 2 * fwd, (fwd, bwd)  # [recompute] any block run again in the backward adds its forward
+    assert again == [], again[:3]
     prepared.restore()
 
 

@@ -6,7 +6,6 @@ import mmap
 import time
 
 import pytest
-import torch
 
 from lightning_ckpt.profiling import rss
 
@@ -14,13 +13,18 @@ pytestmark = pytest.mark.skipif(rss.current_rss_bytes() is None, reason="needs /
 MIB = 2**20
 
 
-def test_current_rss_is_positive_and_sees_a_touched_allocation():
+def _touched(nbytes: int) -> mmap.mmap:
     """Fresh pages from the kernel, touched one by one: not through malloc, whose settings (and the
     free memory it kept from earlier tests in this process) could hand back pages already resident."""
-    before = rss.current_rss_bytes()
-    fresh = mmap.mmap(-1, 64 * MIB)
-    for offset in range(0, 64 * MIB, mmap.PAGESIZE):
+    fresh = mmap.mmap(-1, nbytes)
+    for offset in range(0, nbytes, mmap.PAGESIZE):
         fresh[offset] = 1
+    return fresh
+
+
+def test_current_rss_is_positive_and_sees_a_touched_allocation():
+    before = rss.current_rss_bytes()
+    fresh = _touched(64 * MIB)
     assert before > 0 and rss.current_rss_bytes() - before >= 60 * MIB
     fresh.close()
 
@@ -31,9 +35,9 @@ def test_peak_covers_a_tensor_freed_inside(monkeypatch, writable):
         monkeypatch.setattr(rss, "_reset_hwm", lambda: False)  # as where clear_refs is not writable
     with rss.RssPeak() as peak:
         start = rss.current_rss_bytes()
-        t = torch.ones(64 * MIB // 4)
+        fresh = _touched(64 * MIB)  # fresh pages (see above), freed before the block ends
         time.sleep(0.05)  # long enough for the sampler
-        del t
+        fresh.close()
     assert peak.method == ("hwm" if writable else "sampled")
     assert peak.peak_bytes - start >= 60 * MIB
     assert peak.peak_bytes < start + 200 * MIB

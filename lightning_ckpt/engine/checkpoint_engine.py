@@ -46,7 +46,7 @@ from lightning_ckpt.engine.step_calls import new_step, read_calls
 class CheckpointEngine:
     """The plan for each batch's shape, applied to the blocks; see the module docstring."""
 
-    def __init__(self, settings: EngineSettings, driver: StepDriver) -> None:
+    def __init__(self, settings: EngineSettings, driver: StepDriver, told: set[str] | None = None) -> None:
         self.settings, self.driver = settings, driver
         self.plan: Plan | None = None
         self.profile: Profile | None = None  # the first profile (the first batch's shape)
@@ -59,7 +59,9 @@ class CheckpointEngine:
         self.resume_with: Callable[[BatchShape, Callable[[], StaticMemory], bool], Any] | None = None
         self._shapes: ShapePlans | None = None
         self._prepared: Prepared | None = None  # what `engine.model_prep.prepare_model` changed for this fit
-        self._told: set[str] = set()  # the model's hazards already said (each once per engine)
+        # what was said of the model (hazards, settings changed), each once: shared by the engines planning
+        # the candidate chains of one model (`chain_levels.engine_for_chain`)
+        self._told: set[str] = set() if told is None else told
         self._applied: AppliedPlan | None = None
         self._static: StaticMemory | None = None
         self._costs: dict[BatchShape, StepCost] = {}
@@ -100,12 +102,17 @@ class CheckpointEngine:
         self._skipping = model is not None and bool(find_layer_skipping(model))  # LayerDrop: one block per segment
         if model is not None:
             self._prepared = prepare_model(
-                model, keep_hf_checkpointing=self.settings.keep_hf_checkpointing, warn=self.driver.warn
+                model, keep_hf_checkpointing=self.settings.keep_hf_checkpointing, warn=self._warn_once
             )
             for hazard in self._prepared.hazards:  # what it can only report, said once
                 if hazard not in self._told:
                     self._told.add(hazard)
                     self.driver.warn(f"lightning-ckpt: {hazard}.")
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self._told:
+            self._told.add(message)
+            self.driver.warn(message)
 
     def close(self) -> None:
         """Remove the applied plan and put back what `bind` changed on the model."""

@@ -19,6 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from lightning_ckpt.profiling.collective_release import call_op
 from lightning_ckpt.profiling.op_bytes import WorkTally
 from lightning_ckpt.profiling.tp_work import any_fake, has_dtensor
 from lightning_ckpt.profiling.tracker import LiveBytesTracker, flat_tensors, storage_key
@@ -91,7 +92,7 @@ class _FlopCounting:
                 out = func(*args, **kwargs)
             self.total_flops += local.total_flops - before
             return out
-        out = func(*args, **kwargs)
+        out = call_op(func, args, kwargs)  # a collective waited for where issued (`collective_release`)
         self.total_flops += _op_flops(func, args, kwargs, out)
         return out
 

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_ckpt.profiling.collective_release import call_op
+
 __all__ = [
     "LiveBytesOverLimit", "LiveBytesTracker", "StepBytesTracker", "flat_tensors", "local_tensor", "storage_bytes",
     "storage_key", "unique_storage_bytes",
@@ -160,7 +162,7 @@ class LiveBytesTracker(TorchDispatchMode):
             )
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        out = call_op(func, args, kwargs)  # a collective's tensors freed by the step, not its thread
         # Views and in-place results share an input's storage: that storage was either
         # counted when it was made or existed before the mode (a parameter): skip it.
         inputs = {storage_key(t) for t in flat_tensors((args, kwargs))}
@@ -211,7 +213,7 @@ class StepBytesTracker(LiveBytesTracker):
         makes = _makes_storage(func)
         if makes is None:
             return super().__torch_dispatch__(func, types, args, kwargs)
-        out = func(*args, **(kwargs or {}))
+        out = call_op(func, args, kwargs)
         if makes:
             if isinstance(out, torch.Tensor):
                 self._track(out)

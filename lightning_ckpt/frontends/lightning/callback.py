@@ -243,8 +243,10 @@ class ActivationCheckpointing(Callback):
         if match:
             choice = dataclasses.replace(match[0], alternatives=())
 
+        told: set[str] = set()  # what was said of the model, once for all the candidates' engines
+
         def make(cand):
-            engine = CheckpointEngine(settings, driver)
+            engine = CheckpointEngine(settings, driver, told)
             engine.bind(list(cand.modules), list(cand.names), settings, model=pl_module)
             return engine
 

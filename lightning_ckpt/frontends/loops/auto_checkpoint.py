@@ -206,9 +206,11 @@ def auto_checkpoint(
         allow_python_state=arguments.check_allow_python_state(allow_python_state),
     )
 
+    told: set[str] = set()  # what was said of the model, once for all the engines of its candidate chains
+
     def bound(modules: list[nn.Module], names: list[str]) -> CheckpointEngine:
         _refuse_compiled(model, driver.model, modules)
-        engine = CheckpointEngine(settings, driver)
+        engine = CheckpointEngine(settings, driver, told)
         engine.bind(modules, names, model=driver.model)  # HF caches off until `remove` (`model_compat`)
         return engine
 
