@@ -198,7 +198,7 @@ def crop_points(point: Sequence[int], aligned: Sequence[int]) -> list[tuple[int,
     each axis halved alone, then all halved (each rounded to its axis's alignment), distinct, not the point."""
     def half(i: int) -> int:
         a = aligned[i]
-        return max(a, int(round(point[i] / 2 / a)) * a)
+        return max(a, int(point[i] / 2 / a + 0.5) * a)
 
     out: list[tuple[int, ...]] = []
     for i in range(len(point)):
