@@ -6,14 +6,13 @@ and differ in a few sizes: the batch size and, with dynamic padding, a length. F
 plans it once:
 
 1. a profiled shape: its own profile (a line in the batch size);
-2. a length inside the profiled range, when the polynomial through the profiled lengths passes
-   its leave-one-out check (`planning.shape_profile`): the fit;
-3. a profiled shape at most `BUCKET` larger at every varying size: that shape's profile, which
-   over-counts a little (memory grows with every size);
-4. otherwise the batch itself is profiled on slices of its own samples, and, once the varying
-   dimensions are known, on prefixes of it at shorter lengths, so that later lengths are
-   fitted rather than profiled.
+2. the fit in one varying length or in several sizes that vary apart (`engine.shape_family`), inside the
+   profiled sizes or a little past them, with the checked miss held in reserve;
+3. a profiled shape at most `BUCKET` larger at every varying size: that shape's profile;
+4. otherwise the batch itself is profiled on slices of its own samples and, until the fit passes its
+   check, on prefixes (one length) or crops (several sizes) of it, so that later shapes are fitted.
 
+Plans are kept for the most recently used shapes (`engine.plan_cache`).
 Profiling and planning are injected (`profile_fn`, `plan_fn`): the engine is plain Python
 over shapes and profiles, the same under every front end. Nothing here runs a step.
 """
