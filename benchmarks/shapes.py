@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/shapes.py           # BERT, 12 layers, batch 16, 48 batches (~7 min)
     OMP_NUM_THREADS=1 python benchmarks/shapes.py --quick   # 4 small layers, batch 8, 12 batches (~40 s)
+    OMP_NUM_THREADS=1 python benchmarks/shapes.py --case new-shapes   # multi-scale CNN, growing lengths
 
 HF BERT (`BertForSequenceClassification` from config: 12 layers, hidden 64, dropout 0.1, AdamW)
 trains on batches padded per batch by `DataCollatorWithPadding`, each batch at its own length (a
@@ -466,7 +467,14 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="4 small layers, batch 8, 12 batches: a smoke run")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds of timing in both parts (default 3 and 4, quick 2)")
+    parser.add_argument("--case", choices=("padded", "new-shapes"), default="padded",
+                        help="new-shapes: a multi-scale CNN and lengths that keep growing (benchmarks/shape_cases.py)")
     args = parser.parse_args(argv)
+    if args.case == "new-shapes":
+        from shape_cases import main as new_shapes
+
+        new_shapes()
+        return
     s = QUICK if args.quick else FULL
     if args.rounds:
         s = dataclasses.replace(s, rounds=args.rounds, reverse_rounds=args.rounds)

@@ -154,3 +154,23 @@ def test_a_calibration_is_kept_for_the_same_blocks_batch_and_rates(folder, monke
     # another batch size is another calibration
     calibrated_profile(profile, model, list(model.blocks), _loss(model), tokens_batch(batch=6, seq=6))
     assert len(measured) > n
+
+
+def test_a_large_file_of_other_machines_and_torch_versions_is_trimmed_when_read(folder):
+    from lightning_ckpt.profiling.measured_cache import _digest
+
+    here = {**machine_key("cpu"), "what": "rates"}
+    entries = {}
+    for i in range(20_000):  # other torch versions and other machines, as a shared home collects them over years
+        other = {**here, "torch": f"1.{i % 13}.0", "what": i} if i % 2 else {**here, "cpus": 1000 + i, "what": i}
+        entries[_digest(other)] = {"key": other, "value": {"x": float(i)}}
+    entries[_digest(here)] = {"key": here, "value": {"x": -1.0}}
+    path = folder / "rates.json"
+    path.write_text(json.dumps(entries))
+    assert path.stat().st_size > 2_000_000
+    measure = Counting()
+    assert kept("rates", here, measure) == {"x": -1.0}  # this machine's entry is read back, not measured
+    assert measure.calls == 0
+    trimmed = json.loads(path.read_text())
+    assert [e["key"] for e in trimmed.values()] == [json.loads(json.dumps(here))]
+    assert path.stat().st_size < 2_000

@@ -25,7 +25,10 @@ from lightning_ckpt.profiling.shapes import BatchShape
 
 FIRST_FRACTIONS = (0.25, 0.5, 0.75, 1.0)  # prefixes profiled first, shortest first: with the whole, a checked quadratic
 MORE_FRACTIONS = (0.375, 0.625, 0.875)  # and, when the whole does not fit, all of them that do
-EXTRAPOLATE = 2.0  # the fit may cost a length up to this many times the longest profiled one
+EXTRAPOLATE = 2.0  # at batch 1 the fit may cost a length up to this many times the longest profiled one
+# at larger batches, which can be profiled whole: a little past the longest profiled length (new longest lengths
+# of a run that keeps growing), the reserve then at most 1.56x the checked miss
+GROW = 1.25
 RoomFn = Callable[[], "int | None"]  # the bytes a profiling pass may hold (None: not known)
 
 
@@ -78,12 +81,15 @@ def profile_lengths(
     return tuple(sorted(done))
 
 
-def extrapolated(fitted: ShapeProfile | None, length: int) -> tuple[Callable[..., StepCost], str] | None:
-    """How to cost batch size 1 at `length`, longer than every profiled length, from `fitted`, and in
-    words; None when the fit is not checked within `FIT_TOLERANCE` or `length` is too far past it."""
-    if fitted is None or not fitted.lengths[-1] < length <= EXTRAPOLATE * fitted.lengths[-1]:
+def extrapolated(
+    fitted: ShapeProfile | None, length: int, batch_size: int = 1, factor: float = EXTRAPOLATE,
+) -> tuple[Callable[..., StepCost], str] | None:
+    """How to cost `batch_size` at `length`, longer than every profiled length, from `fitted`, and in
+    words; None when the fit is not checked within `FIT_TOLERANCE` or `length` is more than `factor`
+    times the longest profiled one."""
+    if fitted is None or not fitted.lengths[-1] < length <= factor * fitted.lengths[-1]:
         return None
-    err = fitted.fit_error(1)
+    err = fitted.fit_error(batch_size)
     if err is None or err > FIT_TOLERANCE:
         return None
     # [reserve] the checked miss (at least the tolerance), grown with the square of the distance past the data
@@ -96,7 +102,7 @@ def extrapolated(fitted: ShapeProfile | None, length: int) -> tuple[Callable[...
 
     lengths = ", ".join(map(str, fitted.lengths))
     source = (
-        f"extrapolated from lengths {lengths} at batch 1 (checked within {100 * err:.2f} %, "
+        f"extrapolated from lengths {lengths} at batch {batch_size} (checked within {100 * err:.2f} %, "
         f"{100 * share:.2f} % held in reserve)"
     )
     return cost_of, source

@@ -6,14 +6,13 @@ and differ in a few sizes: the batch size and, with dynamic padding, a length. F
 plans it once:
 
 1. a profiled shape: its own profile (a line in the batch size);
-2. a length inside the profiled range, when the polynomial through the profiled lengths passes
-   its leave-one-out check (`planning.shape_profile`): the fit;
-3. a profiled shape at most `BUCKET` larger at every varying size: that shape's profile, which
-   over-counts a little (memory grows with every size);
-4. otherwise the batch itself is profiled on slices of its own samples, and, once the varying
-   dimensions are known, on prefixes of it at shorter lengths, so that later lengths are
-   fitted rather than profiled.
+2. the fit in one varying length or in several sizes that vary apart (`engine.shape_family`), inside the
+   profiled sizes or a little past them, with the checked miss held in reserve;
+3. a profiled shape at most `BUCKET` larger at every varying size: that shape's profile;
+4. otherwise the batch itself is profiled on slices of its own samples and, until the fit passes its
+   check, on prefixes (one length) or crops (several sizes) of it, so that later shapes are fitted.
 
+Plans are kept for the most recently used shapes (`engine.plan_cache`).
 Profiling and planning are injected (`profile_fn`, `plan_fn`): the engine is plain Python
 over shapes and profiles, the same under every front end. Nothing here runs a step.
 """
@@ -22,154 +21,37 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from lightning_ckpt.costs.block_costs import StepCost
 from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.units import format_bytes
-from lightning_ckpt.planning.shape_profile import FIT_TOLERANCE, ShapeProfile, checked_bytes
-from lightning_ckpt.engine.length_profiles import extrapolated, longest_length, profile_lengths, too_long
+from lightning_ckpt.planning.shape_profile import FIT_TOLERANCE
+from lightning_ckpt.engine.length_profiles import longest_length, profile_lengths, too_long
+from lightning_ckpt.engine.plan_cache import PlanCache
+from lightning_ckpt.engine.shape_family import (  # noqa: F401 - BUCKET and sample_key are read from here too
+    BUCKET,
+    CostOf,
+    SampleKey,
+    ShapeFamily,
+    family_key,
+    layout_key,
+    sample_key,
+)
 from lightning_ckpt.profiling.profile_budget import SampleTooLong
 from lightning_ckpt.profiling.shapes import (
     BatchShape,
+    crop,
+    crop_points,
     sequence_positions,
-    length_of,
     shape_of,
     shorter_lengths,
     slice_length,
-    varying_positions,
 )
-
-BUCKET = 0.125  # a profiled shape up to this much larger in every varying size may stand in for a new one
-
-SampleKey = tuple[tuple[int, ...], ...]
-CostOf = Callable[..., StepCost]  # (batch_size, **step fields) -> StepCost
-
-
-def sample_key(shape: BatchShape) -> SampleKey:
-    """The shape without its batch size: the batch dimension of each tensor that has it is -1."""
-    return tuple(((-1, *s[1:]) if s and s[0] == shape.batch_size else s) for s in shape.shapes)
-
-
-def layout_key(shape: BatchShape) -> tuple[int, ...]:
-    return tuple(len(s) for s in shape.shapes)
-
-
-def family_key(shape: BatchShape, one_sample: bool) -> tuple[int, ...]:
-    """The key of `shape`'s family: its layout, and apart from the lines in the batch size, the profiles of
-    batches of one sample (at batch size 1 only, `Profile.one_size`), which cannot cost other batch sizes."""
-    return (*layout_key(shape), -1) if one_sample else layout_key(shape)
-
-
-@dataclass
-class ShapeFamily:
-    """The shapes of one layout seen so far and the profiles made at some of them: on real batches
-    (`own`) or on prefixes of them at shorter lengths, which only ever feed the fit."""
-
-    seen: dict[SampleKey, BatchShape] = field(default_factory=dict)
-    tokens: tuple[tuple[int, int], ...] = ()  # the token dimension of a first batch of one sample, found in it alone
-    profiles: dict[SampleKey, tuple[BatchShape, Profile, bool]] = field(default_factory=dict)
-    _fitted: dict = field(default_factory=dict, repr=False)  # own only -> (what it was built from, ShapeProfile)
-
-    def positions(self) -> tuple[tuple[int, int], ...]:
-        shapes = list(self.seen.values()) + [s for s, _, _ in self.profiles.values()]
-        return (varying_positions(shapes) if len(shapes) > 1 else ()) or self.tokens
-
-    def length(self, shape: BatchShape) -> int | None:
-        positions = self.positions()
-        return length_of(shape, positions) if positions else None
-
-    def shape_profile(self, own_only: bool = False) -> ShapeProfile | None:
-        """The profiles (real batches only, with `own_only`) as a function of the one varying length;
-        None when the varying sizes are not one length (or nothing varies)."""
-        key = (tuple(self.profiles), self.positions())  # a shape seen again changes neither
-        cached = self._fitted.get(own_only)
-        if cached is None or cached[0] != key:
-            self._fitted[own_only] = cached = (key, self._shape_profile(own_only))
-        return cached[1]
-
-    def _shape_profile(self, own_only: bool) -> ShapeProfile | None:
-        positions = self.positions()
-        if not positions:
-            return None
-        by_length: dict[int, Profile] = {}
-        for shape, profile, own in self.profiles.values():
-            x = length_of(shape, positions)
-            if x is None:
-                return None
-            if own or not own_only:
-                by_length[x] = profile
-        return ShapeProfile(tuple(sorted(by_length.items()))) if by_length else None
-
-    def cost_of(self, shape: BatchShape) -> tuple[CostOf, str] | None:
-        """How to cost steps at `shape` from what was profiled, and from what ('profiled', 'fitted
-        ...' or 'bounded by <shape>'); None when nothing here can."""
-        exact = self.profiles.get(sample_key(shape))
-        if exact is not None and exact[2]:
-            return exact[1].at, "profiled"
-        x = self.length(shape)
-        if x is not None:
-            for own_only in (False, True):  # prefixes can differ from real batches (no padding left in them)
-                fitted = self.shape_profile(own_only)
-                if fitted is not None and fitted.covers(x, shape.batch_size):
-                    lengths = ", ".join(map(str, fitted.lengths))
-                    err = fitted.fit_error(shape.batch_size) or 0.0
-                    source = f"fitted over lengths {lengths} (checked within {100 * err:.2f} %, held in reserve)"
-                    return functools.partial(_with_reserve, fitted, x, err), source
-        if x is not None and shape.batch_size == 1:  # one sample: the fit in its length, also past the longest
-            found = extrapolated(self.shape_profile(), x)
-            if found is not None:
-                return found
-        own_shapes = [s for s, _, own in self.profiles.values() if own]
-        bound = _bounding(shape, own_shapes, self.positions())
-        if bound is not None:
-            return self.profiles[sample_key(bound)][1].at, f"bounded by the profile at {bound.describe()}"
-        return None
-
-    def prefixes_misfit(self, batch_size: int) -> bool:
-        """Whether the prefixes disagree with the real batches: the fit over all profiles fails its
-        check while there are prefixes in it."""
-        if all(own for _, _, own in self.profiles.values()):
-            return False
-        fitted = self.shape_profile()
-        err = None if fitted is None else fitted.fit_error(batch_size)
-        return err is not None and err > FIT_TOLERANCE
-
-
-def _with_reserve(fitted: ShapeProfile, length: int, err: float, batch_size: int, **step_fields) -> StepCost:
-    """The fitted cost with the fit's checked miss (a share of the checked bytes) held as resident bytes
-    before the chain, so that a plan made from it fits even when the fit is off by that much."""
-    cost = fitted.at(batch_size, length, **step_fields)
-    reserve = int(math.ceil(err * sum(checked_bytes(cost))))
-    return dataclasses.replace(cost, pre_saved_bytes=cost.pre_saved_bytes + reserve)
-
-
-def _bounding(shape: BatchShape, profiled: list[BatchShape], positions) -> BatchShape | None:
-    """The smallest profiled shape that is at least as large as `shape` at every varying position
-    and at most `BUCKET` larger; equal elsewhere."""
-    best, best_size = None, None
-    for cand in profiled:
-        if sample_key(cand) == sample_key(shape):
-            return cand
-        ok, size = True, 1
-        for i, dims in enumerate(shape.shapes):
-            for d, n in enumerate(dims):
-                if d == 0 and n == shape.batch_size and cand.shapes[i][0] == cand.batch_size:
-                    continue
-                m = cand.shapes[i][d]
-                if (i, d) in positions:
-                    ok &= n <= m <= n * (1 + BUCKET)
-                    size *= m
-                else:
-                    ok &= m == n
-        if ok and (best_size is None or size < best_size):
-            best, best_size = cand, size
-    return best
 
 
 @dataclass(frozen=True)
@@ -187,6 +69,7 @@ class ShapeDecision:
 
 ProfileFn = Callable[[Any, bool], Profile]  # (batch, is its own shape) -> Profile
 PlanFn = Callable[[CostOf, BatchShape], Plan]
+MAX_GRID_POINTS = 12  # crops are cut only while a fit over several sizes has fewer points than this
 
 
 class ShapePlans:
@@ -198,7 +81,7 @@ class ShapePlans:
         self.profile_fn, self.plan_fn, self.slice_lengths = profile_fn, plan_fn, slice_lengths
         self.room_fn = room_fn  # (batch) -> the bytes a profiling pass may hold beside it (None: not known)
         self.families: dict[tuple[int, ...], ShapeFamily] = {}
-        self.plans: dict[tuple[SampleKey, int], ShapeDecision] = {}
+        self.plans: PlanCache = PlanCache()  # (shape without its batch size, batch size) -> ShapeDecision, bounded
         self.slice_error: str | None = None  # why prefixes of batches stopped being profiled
         self.profile_runs = 0  # profiles made (each a few small steps)
         self.profile_s = 0.0
@@ -224,7 +107,7 @@ class ShapePlans:
         return [s for f in self.families.values() for s, _, own in f.profiles.values() if own]
 
     def cached(self, shape: BatchShape) -> ShapeDecision | None:
-        return self.plans.get((sample_key(shape), shape.batch_size))
+        return self.plans.used((sample_key(shape), shape.batch_size))
 
     def plan_for(self, batch: Any, shape: BatchShape | None = None) -> ShapeDecision:
         """The plan for `batch`'s shape: cached, or costed (profiling the batch when needed) and planned."""
@@ -299,6 +182,9 @@ class ShapePlans:
         self.profile_runs += 1
         x = family.length(shape)
         done = (x,) if x is not None else ()
+        if x is None and self.slice_lengths and family.point(shape) is not None:
+            self._profile_crops(family, batch, shape)
+            return done
         if self.slice_lengths and family.prefixes_misfit(shape.batch_size):
             self.slice_lengths = False
             self.slice_error = (
@@ -309,6 +195,9 @@ class ShapePlans:
             return done
         positions = family.positions()
         fitted = family.shape_profile()
+        err = None if fitted is None else fitted.fit_error(shape.batch_size)
+        if err is not None and err <= FIT_TOLERANCE:  # the new length refines a checked fit: no prefixes needed
+            return done
         known = fitted.lengths if fitted is not None else ()
         known = (*known, *(family.length(s) for s, _, _ in family.profiles.values()))
         for short in shorter_lengths(x, known):
@@ -324,6 +213,28 @@ class ShapePlans:
             self.profile_runs += 1
             done += (short,)
         return done
+
+    def _profile_crops(self, family: ShapeFamily, batch: Any, shape: BatchShape) -> None:
+        """Profile crops of a batch whose sizes vary apart on several axes (`profiling.shapes.crop_points`),
+        one at a time until the fit over every profiled size passes its check; none once it does (a new
+        batch then only refines it) or once the fit has `MAX_GRID_POINTS` points."""
+        axes, point = family.axes(), family.point(shape)
+        for p in crop_points(point, family.aligned()):
+            grid = family.grid()
+            if grid is not None and (grid.model(shape.batch_size) is not None or len(grid.points) >= MAX_GRID_POINTS):
+                return
+            if grid is not None and p in dict(grid.points):
+                continue
+            part = crop(batch, axes, p)
+            part_shape = shape_of(part)
+            try:
+                profile = self.profile_fn(part, False)
+            except Exception as err:  # noqa: BLE001 - a crop the model rejects: each shape profiled from then on
+                self.slice_error = f"{type(err).__name__}: {err}"
+                self.slice_lengths = False
+                return
+            family.profiles[sample_key(part_shape)] = (part_shape, profile, False)
+            self.profile_runs += 1
 
     def _profile_tokens(self, family: ShapeFamily, batch: Any, shape: BatchShape) -> tuple[int, ...]:
         """A batch of one sample profiled on prefixes of its sequence, shortest first, and whole when it is

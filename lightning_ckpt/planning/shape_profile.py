@@ -83,7 +83,12 @@ def _fit_block(blocks: Sequence[BlockCost], w: Sequence[float]) -> BlockCost:
 
 def fit_costs(costs: Sequence[StepCost], lengths: Sequence[int], length: int) -> StepCost:
     """The step cost at `length` from costs at the same batch size and other `lengths`."""
-    w = _weights([float(v) for v in lengths], float(length))
+    return combine_costs(costs, _weights([float(v) for v in lengths], float(length)))
+
+
+def combine_costs(costs: Sequence[StepCost], w: Sequence[float]) -> StepCost:
+    """The step cost whose every quantity is the same linear combination `w` of the quantities of `costs`
+    (the weights of a least-squares fit evaluated at one shape), field by field."""
     first = costs[0]
     blocks = tuple(_fit_block([c.blocks[i] for c in costs], w) for i in range(first.n_blocks))
     fields = {}

@@ -8,7 +8,9 @@ torch's version, the device and its name, torch's thread count and the dtypes (f
 calibration also the blocks' counted work and the batch size). `LIGHTNING_CKPT_CACHE_DIR=off`
 keeps nothing; `LIGHTNING_CKPT_REMEASURE=1` measures again and replaces what was kept. Entries
 are checked as they are read (a damaged one is measured again, the file healed); writers take a
-lock beside the file and merge, so runs writing at once lose nothing.
+lock beside the file and merge, so runs writing at once lose nothing. Each write, and a read that finds
+more than `MAX_ENTRIES` or entries of another machine or torch version, trims the file to this machine's
+newest entries, so that a start reads a small file.
 """
 
 from __future__ import annotations
@@ -171,13 +173,35 @@ def _write(path: Path, entries: dict[str, Any]) -> None:
         raise
 
 
+def _foreign(entry: dict[str, Any]) -> bool:
+    """Whether a kept entry was measured on another machine or under another torch: its key names a
+    torch version, device name or core count that this machine does not have (keys without those stay)."""
+    key = entry["key"]
+    if not isinstance(key, dict) or "torch" not in key or "device" not in key:
+        return False
+    if key["torch"] != torch.__version__:
+        return True
+    device = key["device"]
+    if device != "cpu" and not (device == "cuda" and torch.cuda.is_available()):
+        return True
+    here = machine_key(device)
+    return any(key.get(f) != here[f] for f in ("device_name", "cpus"))
+
+
+def _needs_trim(entries: dict[str, Any]) -> bool:
+    """More entries than kept, or any of another machine or torch version."""
+    return len(entries) > MAX_ENTRIES or any(_foreign(e) for e in entries.values())
+
+
 def _merge(path: Path, check: Callable[[Any], None], new: dict[str, Any]) -> None:
     """Under the lock: read the file again (what another process kept since stays), drop what is
-    damaged, put `new` in as the newest, keep the newest `MAX_ENTRIES`, write it whole."""
+    damaged or of another machine or torch version (`_foreign`), put `new` in as the newest, keep the
+    newest `MAX_ENTRIES`, write it whole."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with _locked(path):
             entries, _ = _read(path, check)
+            entries = {d: e for d, e in entries.items() if not _foreign(e)}
             for digest, entry in new.items():
                 entries.pop(digest, None)
                 entries[digest] = entry
@@ -215,7 +239,7 @@ def kept(
         _tell_dropped(path, problems)
     entry = entries.get(digest)
     if not _remeasure() and entry is not None and entry["key"] == _json_form(key):
-        if problems:
+        if problems or _needs_trim(entries):  # later runs read a small file
             _merge(path, check, {})
         return entry["value"]
     value = measure()

@@ -6,11 +6,13 @@ length shows in every tensor that has it (input ids, attention mask, labels), an
 two dimensions. When every varying position has the same size within a batch, that size is the
 batch's *length* and costs are fitted as polynomials in it (`planning.shape_profile`); slicing
 every varying position to a shorter length (a prefix of each sequence) gives more lengths from
-one batch. Several independent lengths are profiled shape by shape instead.
+one batch. Positions whose sizes vary independently are separate axes (`axes_of`); a batch is then a
+point, one size per axis, fitted over several axes (`planning.shape_grid`) and cropped per axis (`crop`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -153,3 +155,74 @@ def shorter_lengths(length: int, known: Sequence[int], fractions: Sequence[float
         if x < length and x not in known and x not in out:
             out.append(x)
     return sorted(out)
+
+
+Axes = tuple[tuple[Position, ...], ...]  # varying positions grouped: the positions of one axis always share a size
+
+
+def axes_of(shapes: Sequence[BatchShape], positions: Sequence[Position]) -> Axes:
+    """`positions` grouped into independent sizes: two positions are one axis when they have the same size in
+    every one of `shapes` (the sequence length of ids, mask and labels), apart otherwise (an image's height
+    and width, once one batch is not square)."""
+    groups: dict[tuple[int, ...], list[Position]] = {}
+    for p in positions:
+        groups.setdefault(tuple(s.size_at(p) for s in shapes), []).append(p)
+    return tuple(tuple(g) for g in groups.values())
+
+
+def point_of(shape: BatchShape, axes: Axes) -> tuple[int, ...] | None:
+    """`shape`'s size on each axis; None when the positions of one axis differ in it."""
+    out = []
+    for axis in axes:
+        sizes = {shape.size_at(p) for p in axis}
+        if len(sizes) != 1:
+            return None
+        out.append(sizes.pop())
+    return tuple(out)
+
+
+def alignment(sizes: Sequence[int], most: int = 8) -> int:
+    """The largest power of two, at most `most`, that divides every size seen on an axis: crops keep it, so
+    that strided stages round a crop as they round the real batches."""
+    g = 0
+    for n in sizes:
+        g = math.gcd(g, n)
+    a = 1
+    while a < most and g and g % (2 * a) == 0:
+        a *= 2
+    return a
+
+
+def crop_points(point: Sequence[int], aligned: Sequence[int]) -> list[tuple[int, ...]]:
+    """Smaller points to crop a batch at `point` to, so that a fit over several sizes can be made and checked:
+    each axis halved alone, then all halved (each rounded to its axis's alignment), distinct, not the point."""
+    def half(i: int) -> int:
+        a = aligned[i]
+        return max(a, int(point[i] / 2 / a + 0.5) * a)
+
+    out: list[tuple[int, ...]] = []
+    for i in range(len(point)):
+        out.append(tuple(half(j) if j == i else n for j, n in enumerate(point)))
+    out.append(tuple(half(j) for j in range(len(point))))
+    seen = {tuple(point)}
+    return [p for p in out if not (p in seen or seen.add(p))]
+
+
+def crop(batch: Any, axes: Axes, point: Sequence[int]) -> Any:
+    """The batch with every position of each axis cut to its first `point[axis]` entries (copied, so that the
+    crop owns its memory); tensors without a varying position are passed on as they are."""
+    by_tensor: dict[int, list[tuple[int, int]]] = {}
+    for axis, n in zip(axes, point):
+        for i, d in axis:
+            by_tensor.setdefault(i, []).append((d, n))
+    index = iter(range(10**9))
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        dims = by_tensor.get(next(index))
+        if not dims:
+            return t
+        for d, n in dims:
+            t = t.narrow(d, 0, min(n, t.shape[d]))
+        return t.clone()
+
+    return map_tensors(batch, cut)

@@ -1,0 +1,105 @@
+"""New shapes at run time: a multi-scale CNN (height and width drawn apart) and lengths that keep growing.
+
+    OMP_NUM_THREADS=1 python benchmarks/shapes.py --case new-shapes   # both cases (about 2 min)
+
+Each case trains with `auto_checkpoint` in a plain loop and times, step by step, `handle.step(batch)` (the
+library: profiling, costing, planning, switching; the first profile inside `auto_checkpoint` included) apart
+from the training step. Every step's peak is measured by the live-storage tracker (`measure_step_peak`,
+state put back) against the budget, in the same run but outside both clocks.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from test_shape_family import MultiScaleCNN, TinyLM, _budget, _cnn_loss, _lm_loss  # noqa: E402
+
+from lightning_ckpt import auto_checkpoint, measure_step_peak  # noqa: E402
+from lightning_ckpt.units import format_bytes  # noqa: E402
+
+
+def run(name: str, model_fn, blocks: str, loss_of, batches, budget: int) -> dict:
+    torch.manual_seed(1)
+    model = model_fn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    t0 = time.perf_counter()
+    handle = auto_checkpoint(model, budget, example_batch=batches[0], step_fn=lambda b: loss_of(model, b), optimizer=opt,
+                             blocks=blocks, probe_batch_sizes=(2, 4), verbose=False)
+    lib, train, peaks, per100 = time.perf_counter() - t0, 0.0, [], Counter()
+    runs = handle.engine._shapes.profile_runs
+    for i, batch in enumerate(batches):
+        t0 = time.perf_counter()
+        handle.step(batch)
+        t1 = time.perf_counter()
+        loss = loss_of(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        train += time.perf_counter() - t1
+        lib += t1 - t0
+        plans = handle.engine._shapes
+        per100[i // 100] += plans.profile_runs - runs
+        runs = plans.profile_runs
+        peaks.append(measure_step_peak(model, lambda b: loss_of(model, b), batch, opt))
+    handle.remove()
+    plans = handle.engine._shapes
+    sources = Counter(d.source.split(" ")[0] for d in plans.plans.values())
+    errors = [float(s.split("checked within ")[1].split(" %")[0]) for s in (d.source for d in plans.plans.values())
+              if "checked within" in s]
+    return {
+        "case": name, "steps": len(batches), "shapes": len({tuple(tuple(t.shape) for t in b) for b in batches}),
+        "lib": lib, "train": train, "profiles": plans.profile_runs, "per100": [per100[k] for k in range(len(batches) // 100 + 1)],
+        "sources": sources, "err": max(errors, default=0.0), "over": sum(p > budget for p in peaks),
+        "worst": max(peaks) / budget, "budget": budget, "cached": len(plans.plans),
+    }
+
+
+def multiscale(steps: int = 300, c: int = 16) -> dict:
+    rng, g = random.Random(0), torch.Generator().manual_seed(0)
+    sizes = list(range(16, 105, 8))  # 12 x 12 = 144 shapes
+    batches = [(torch.randn(8, 3, rng.choice(sizes), rng.choice(sizes), generator=g), torch.randint(0, 3, (8,), generator=g))
+               for _ in range(steps)]
+    model_fn = lambda: MultiScaleCNN(c)  # noqa: E731
+    budget = _budget(model_fn, "stages", _cnn_loss, (torch.randn(8, 3, 104, 104), torch.zeros(8, dtype=torch.long)))
+    return run(f"multi-scale CNN (c={c}, batch 8, H, W apart in 16..104)", model_fn, "stages", _cnn_loss, batches, budget)
+
+
+def growing(steps: int = 400, longest: int = 512) -> dict:
+    rng, g = random.Random(0), torch.Generator().manual_seed(0)
+    batches = []
+    for i in range(steps):  # each batch padded to a multiple of 8 up to a limit that grows with the step
+        top = 16 + (longest - 16) * (i + 1) // steps
+        n = 8 * ((rng.randint(8, top) + 7) // 8)
+        ids = torch.randint(0, 40, (4, n), generator=g)
+        batches.append((ids, ids.roll(1, dims=1)))
+    g2 = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 40, (4, longest), generator=g2)
+    budget = _budget(lambda: TinyLM(d=32), "layers", _lm_loss, (ids, ids))
+    return run(f"growing lengths (LM d=32, batch 4, 16..{longest})", lambda: TinyLM(d=32), "layers", _lm_loss, batches, budget)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    rows = [multiscale(), growing()]
+    print()
+    print("| case | steps | distinct shapes | library s | training s | library share | profiles | profiles per 100 steps | "
+          "profiled / fitted / extrapolated / bounded | worst checked error | steps over budget | worst peak / budget | plans cached |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        s = r["sources"]
+        print(f"| {r['case']} | {r['steps']} | {r['shapes']} | {r['lib']:.2f} | {r['train']:.2f} | "
+              f"{100 * r['lib'] / (r['lib'] + r['train']):.1f} % | {r['profiles']} | {', '.join(map(str, r['per100']))} | "
+              f"{s['profiled']} / {s['fitted']} / {s['extrapolated']} / {s['bounded']} | {r['err']:.2f} % | "
+              f"{r['over']}/{r['steps']} | {r['worst']:.3f} of {format_bytes(r['budget'])} | {r['cached']} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""The shapes of one batch layout seen so far and the profiles made at some of them, and how a new shape
+of that layout is costed from them: its own profile, the fit in one varying length
+(`planning.shape_profile`) or in several independent sizes (`planning.shape_grid`), inside the profiled
+sizes or a little past them with a checked reserve, or the profile of a slightly larger shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from lightning_ckpt.costs.block_costs import StepCost
+from lightning_ckpt.costs.linear_fit import Profile
+from lightning_ckpt.engine.length_profiles import EXTRAPOLATE, GROW, extrapolated
+from lightning_ckpt.planning.shape_grid import GridProfile, Reach
+from lightning_ckpt.planning.shape_profile import FIT_TOLERANCE, ShapeProfile, checked_bytes
+from lightning_ckpt.profiling.shapes import BatchShape, alignment, axes_of, length_of, point_of, varying_positions
+
+BUCKET = 0.125  # a profiled shape up to this much larger in every varying size may stand in for a new one
+
+SampleKey = tuple[tuple[int, ...], ...]
+CostOf = Callable[..., StepCost]  # (batch_size, **step fields) -> StepCost
+
+
+def sample_key(shape: BatchShape) -> SampleKey:
+    """The shape without its batch size: the batch dimension of each tensor that has it is -1."""
+    return tuple(((-1, *s[1:]) if s and s[0] == shape.batch_size else s) for s in shape.shapes)
+
+
+def layout_key(shape: BatchShape) -> tuple[int, ...]:
+    return tuple(len(s) for s in shape.shapes)
+
+
+def family_key(shape: BatchShape, one_sample: bool) -> tuple[int, ...]:
+    """The key of `shape`'s family: its layout, and apart from the lines in the batch size, the profiles of
+    batches of one sample (at batch size 1 only, `Profile.one_size`), which cannot cost other batch sizes."""
+    return (*layout_key(shape), -1) if one_sample else layout_key(shape)
+
+
+@dataclass
+class ShapeFamily:
+    """The shapes of one layout seen so far and the profiles made at some of them: on real batches
+    (`own`) or on prefixes of them at shorter lengths, which only ever feed the fit."""
+
+    seen: dict[SampleKey, BatchShape] = field(default_factory=dict)
+    tokens: tuple[tuple[int, int], ...] = ()  # the token dimension of a first batch of one sample, found in it alone
+    profiles: dict[SampleKey, tuple[BatchShape, Profile, bool]] = field(default_factory=dict)
+    _fitted: dict = field(default_factory=dict, repr=False)  # own only -> (what it was built from, ShapeProfile)
+
+    def positions(self) -> tuple[tuple[int, int], ...]:
+        shapes = list(self.seen.values()) + [s for s, _, _ in self.profiles.values()]
+        return (varying_positions(shapes) if len(shapes) > 1 else ()) or self.tokens
+
+    def axes(self) -> tuple:
+        """The varying positions grouped into independent sizes (`profiling.shapes.axes_of`)."""
+        shapes = list(self.seen.values()) + [s for s, _, _ in self.profiles.values()]
+        return axes_of(shapes, self.positions())
+
+    def length(self, shape: BatchShape) -> int | None:
+        """`shape`'s size in the one varying length; None when nothing varies or several sizes vary apart."""
+        positions = self.positions()
+        if not positions or len(self.axes()) > 1:
+            return None
+        return length_of(shape, positions)
+
+    def point(self, shape: BatchShape) -> tuple[int, ...] | None:
+        """`shape`'s size on each axis when several vary apart (the height and the width); else None."""
+        axes = self.axes()
+        return point_of(shape, axes) if len(axes) > 1 else None
+
+    def aligned(self) -> tuple[int, ...]:
+        """Per axis, the power of two (at most 8) every size seen on it shares: crops are cut to it."""
+        shapes = list(self.seen.values())
+        return tuple(alignment([s.size_at(axis[0]) for s in shapes]) for axis in self.axes())
+
+    def grid(self) -> GridProfile | None:
+        """The profiles (real batches and crops of them) as a function of the sizes on every axis; None
+        with fewer than two axes."""
+        axes = self.axes()
+        key = ("grid", tuple(self.profiles), axes)
+        cached = self._fitted.get("grid")
+        if cached is None or cached[0] != key:
+            points = {}
+            for shape, profile, _ in self.profiles.values():
+                p = point_of(shape, axes) if len(axes) > 1 else None
+                if p is not None and not profile.one_size:
+                    points[p] = profile
+            grid = GridProfile(tuple(sorted(points.items()))) if len(points) > 1 else None
+            self._fitted["grid"] = cached = (key, grid)
+        return cached[1]
+
+    def grid_reach(self, shape: BatchShape) -> tuple[GridProfile, Reach] | None:
+        """How the fit over several sizes costs `shape`, when it can."""
+        p, grid = self.point(shape), self.grid()
+        reach = None if p is None or grid is None else grid.reach(p, shape.batch_size)
+        return None if reach is None else (grid, reach)
+
+    def shape_profile(self, own_only: bool = False) -> ShapeProfile | None:
+        """The profiles (real batches only, with `own_only`) as a function of the one varying length;
+        None when the varying sizes are not one length (or nothing varies)."""
+        key = (tuple(self.profiles), self.positions())  # a shape seen again changes neither
+        cached = self._fitted.get(own_only)
+        if cached is None or cached[0] != key:
+            self._fitted[own_only] = cached = (key, self._shape_profile(own_only))
+        return cached[1]
+
+    def _shape_profile(self, own_only: bool) -> ShapeProfile | None:
+        positions = self.positions()
+        if not positions or len(self.axes()) > 1:
+            return None
+        by_length: dict[int, Profile] = {}
+        for shape, profile, own in self.profiles.values():
+            x = length_of(shape, positions)
+            if x is None:
+                return None
+            if own or not own_only:
+                by_length[x] = profile
+        return ShapeProfile(tuple(sorted(by_length.items()))) if by_length else None
+
+    def cost_of(self, shape: BatchShape) -> tuple[CostOf, str] | None:
+        """How to cost steps at `shape` from what was profiled, and from what ('profiled', 'fitted
+        ...' or 'bounded by <shape>'); None when nothing here can."""
+        exact = self.profiles.get(sample_key(shape))
+        if exact is not None and exact[2]:
+            return exact[1].at, "profiled"
+        x = self.length(shape)
+        if x is not None:
+            for own_only in (False, True):  # prefixes can differ from real batches (no padding left in them)
+                fitted = self.shape_profile(own_only)
+                if fitted is not None and fitted.covers(x, shape.batch_size):
+                    lengths = ", ".join(map(str, fitted.lengths))
+                    err = fitted.fit_error(shape.batch_size) or 0.0
+                    source = f"fitted over lengths {lengths} (checked within {100 * err:.2f} %, held in reserve)"
+                    return functools.partial(_with_reserve, fitted, x, err), source
+        if x is not None:  # past the longest profiled length: one sample far, larger batches a little
+            one = shape.batch_size == 1
+            for own_only in (False,) if one else (False, True):
+                found = extrapolated(self.shape_profile(own_only), x, shape.batch_size, EXTRAPOLATE if one else GROW)
+                if found is not None:
+                    return found
+        reached = self.grid_reach(shape)
+        if reached is not None:
+            grid, reach = reached
+            sizes = " x ".join(map(str, reach.point))
+            where = f"extrapolated {reach.stretch:.2f}x past" if reach.extrapolated else "fitted within"
+            source = (
+                f"{where} {len(grid.points)} profiled sizes at {sizes} ({reach.model}; checked within "
+                f"{100 * reach.error:.2f} %, {100 * reach.reserve_share:.2f} % held in reserve)"
+            )
+            return functools.partial(_grid_cost, grid, reach), source
+        own_shapes = [s for s, _, own in self.profiles.values() if own]
+        bound = _bounding(shape, own_shapes, self.positions())
+        if bound is not None:
+            return self.profiles[sample_key(bound)][1].at, f"bounded by the profile at {bound.describe()}"
+        return None
+
+    def prefixes_misfit(self, batch_size: int) -> bool:
+        """Whether the prefixes disagree with the real batches: the fit over all profiles fails its
+        check while there are prefixes in it."""
+        if all(own for _, _, own in self.profiles.values()):
+            return False
+        fitted = self.shape_profile()
+        err = None if fitted is None else fitted.fit_error(batch_size)
+        return err is not None and err > FIT_TOLERANCE
+
+
+def _grid_cost(grid: GridProfile, reach: Reach, batch_size: int, **step_fields) -> StepCost:
+    return grid.cost(reach, batch_size, **step_fields)
+
+
+def _with_reserve(fitted: ShapeProfile, length: int, err: float, batch_size: int, **step_fields) -> StepCost:
+    """The fitted cost with the fit's checked miss (a share of the checked bytes) held as resident bytes
+    before the chain, so that a plan made from it fits even when the fit is off by that much."""
+    cost = fitted.at(batch_size, length, **step_fields)
+    reserve = int(math.ceil(err * sum(checked_bytes(cost))))
+    return dataclasses.replace(cost, pre_saved_bytes=cost.pre_saved_bytes + reserve)
+
+
+def _bounding(shape: BatchShape, profiled: list[BatchShape], positions) -> BatchShape | None:
+    """The smallest profiled shape that is at least as large as `shape` at every varying position
+    and at most `BUCKET` larger; equal elsewhere."""
+    best, best_size = None, None
+    for cand in profiled:
+        if sample_key(cand) == sample_key(shape):
+            return cand
+        ok, size = True, 1
+        for i, dims in enumerate(shape.shapes):
+            for d, n in enumerate(dims):
+                if d == 0 and n == shape.batch_size and cand.shapes[i][0] == cand.batch_size:
+                    continue
+                m = cand.shapes[i][d]
+                if (i, d) in positions:
+                    ok &= n <= m <= n * (1 + BUCKET)
+                    size *= m
+                else:
+                    ok &= m == n
+        if ok and (best_size is None or size < best_size):
+            best, best_size = cand, size
+    return best

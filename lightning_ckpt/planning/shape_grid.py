@@ -1,0 +1,169 @@
+"""Step costs across shapes that vary in several independent sizes: the height and width of images, the
+source and target lengths of a seq2seq batch.
+
+Each profiled shape is a point, one size per axis. Every quantity of the step (each block's bytes and
+work, the bytes around the chain) is a least-squares combination of a few features of the point, field by
+field; the features are the simplest of `MODELS` whose leave-one-out check (each point predicted from the
+others) misses by at most `FIT_TOLERANCE` of the checked bytes: linear in the product of the sizes (a
+convolutional stage holds bytes in proportion to its pixels), with its square (attention over flattened
+patches), bilinear, then a full quadratic. A point is costed inside the profiled sizes (sizes below the
+smallest profiled are raised to it: memory grows with every size, so that over-counts) and up to
+`EXTRAPOLATE` times past the largest on each axis, with the checked miss, grown with the square of that
+stretch, held in reserve. Plain data, no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lightning_ckpt.costs.block_costs import StepCost
+from lightning_ckpt.costs.linear_fit import Profile
+from lightning_ckpt.planning.shape_profile import FIT_TOLERANCE, checked_bytes, combine_costs
+
+MODELS = ("area", "area and its square", "bilinear", "quadratic")
+CHECK_POINTS = 2  # points beyond a model's features: each held-out point is predicted from an over-determined fit
+EXTRAPOLATE = 1.25  # a point may be this many times the largest profiled size on each axis
+
+Point = tuple[int, ...]
+
+
+def features(model: str, u: Sequence[float]) -> list[float]:
+    """The features of a point (sizes scaled to at most 1) under `model`."""
+    area = math.prod(u)
+    if model == "area":
+        return [1.0, area]
+    if model == "area and its square":
+        return [1.0, area, area * area]
+    if model == "bilinear":
+        return [1.0, *u, area]
+    if model == "quadratic":
+        return [1.0, *u, *(u[i] * u[j] for i in range(len(u)) for j in range(i, len(u)))]
+    raise ValueError(f"a shape model is one of {MODELS}, got {model!r}.")
+
+
+@dataclass(frozen=True)
+class Reach:
+    """How a point is costed from the fit: at `point` (the asked one with sizes below the profiled ones raised),
+    `stretch` (>= 1) past the largest profiled size, `reserve_share` of the checked bytes held in reserve."""
+
+    point: Point
+    stretch: float
+    model: str
+    error: float
+    reserve_share: float
+
+    @property
+    def extrapolated(self) -> bool:
+        return self.stretch > 1.0
+
+
+@dataclass(frozen=True)
+class GridProfile:
+    """Profiles at distinct points of one number of axes, all with the same blocks."""
+
+    points: tuple[tuple[Point, Profile], ...]
+    _models: dict = field(default_factory=dict, compare=False, repr=False)  # batch size -> (model, error) or None
+    _costs: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        pts = [p for p, _ in self.points]
+        if not pts or len(set(pts)) != len(pts) or len({len(p) for p in pts}) != 1 or any(n < 1 for p in pts for n in p):
+            raise ValueError(f"a GridProfile needs distinct points of positive sizes, all of one dimension; got {pts}.")
+        blocks = {p.n_blocks for _, p in self.points}
+        if len(blocks) != 1:
+            raise ValueError(f"profiles at different points disagree on the number of blocks: {sorted(blocks)}.")
+
+    @property
+    def scale(self) -> tuple[int, ...]:
+        return tuple(max(p[i] for p, _ in self.points) for i in range(len(self.points[0][0])))
+
+    @property
+    def lowest(self) -> tuple[int, ...]:
+        return tuple(min(p[i] for p, _ in self.points) for i in range(len(self.points[0][0])))
+
+    def _matrix(self, model: str, pts: Sequence[Point]) -> np.ndarray:
+        scale = self.scale
+        return np.array([features(model, [n / s for n, s in zip(p, scale)]) for p in pts], dtype=float)
+
+    def model(self, batch_size: int) -> tuple[str, float] | None:
+        """The simplest model whose leave-one-out check at `batch_size` is within `FIT_TOLERANCE`, and its
+        worst miss (a share of the checked bytes at the point left out); None when none passes."""
+        if batch_size not in self._models:
+            self._models[batch_size] = self._choose(batch_size)
+        return self._models[batch_size]
+
+    def errors(self, batch_size: int) -> dict[str, float]:
+        """The leave-one-out miss of every model that has enough points to be checked."""
+        values = np.array([checked_bytes(p.at(batch_size)) for _, p in self.points], dtype=float)
+        return {m: e for m in MODELS if (e := self._leave_one_out(m, values)) is not None}
+
+    def _choose(self, batch_size: int) -> tuple[str, float] | None:
+        values = np.array([checked_bytes(p.at(batch_size)) for _, p in self.points], dtype=float)
+        for m in MODELS:
+            err = self._leave_one_out(m, values)
+            if err is not None and err <= FIT_TOLERANCE:
+                return m, err
+        return None
+
+    def _leave_one_out(self, model: str, values: np.ndarray) -> float | None:
+        """Worst miss of each point predicted by the model fitted to the others (None: too few points, or
+        points that cannot tell the model's features apart)."""
+        f = self._matrix(model, [p for p, _ in self.points])
+        n, m = f.shape
+        if n < m + CHECK_POINTS:
+            return None
+        worst = 0.0
+        for k in range(n):
+            rest = np.arange(n) != k
+            if np.linalg.matrix_rank(f[rest]) < m:
+                return None
+            coef, *_ = np.linalg.lstsq(f[rest], values[rest], rcond=None)
+            predicted = np.maximum(0.0, np.rint(f[k] @ coef))
+            total = float(values[k].sum())
+            if total > 0:
+                worst = max(worst, float(np.max(np.abs(predicted - values[k]))) / total)
+        return worst
+
+    def reach(self, point: Sequence[int], batch_size: int) -> Reach | None:
+        """How the fit costs `point` at `batch_size`, or None: no model passes its check, or a size is more
+        than `EXTRAPOLATE` times the largest profiled one on its axis."""
+        chosen = self.model(batch_size)
+        if chosen is None or len(point) != len(self.scale):
+            return None
+        raised = tuple(max(n, lo) for n, lo in zip(point, self.lowest))
+        stretch = max(1.0, *(n / s for n, s in zip(raised, self.scale)))
+        if stretch > EXTRAPOLATE:
+            return None
+        model, err = chosen
+        # [reserve] inside: the checked miss; past the profiled sizes: at least the tolerance, grown with the stretch squared
+        share = err if stretch == 1.0 else max(err, FIT_TOLERANCE) * stretch**2
+        return Reach(raised, stretch, model, err, share)
+
+    def at(self, batch_size: int, point: Sequence[int], model: str, **step_fields) -> StepCost:
+        """The step cost at `point`: its own profile where it was profiled, else the fit of `model`."""
+        point = tuple(point)
+        exact = dict(self.points).get(point)
+        if exact is not None:
+            return exact.at(batch_size, **step_fields)
+        key = (batch_size, point, model, tuple(sorted(step_fields.items())))
+        if key not in self._costs:
+            line = (batch_size, key[3])
+            if line not in self._costs:  # each profile's line at this batch, for every point
+                self._costs[line] = [p.at(batch_size, **step_fields) for _, p in self.points]
+            costs = self._costs[line]
+            f = self._matrix(model, [p for p, _ in self.points])
+            scale = self.scale
+            w = np.array(features(model, [n / s for n, s in zip(point, scale)])) @ np.linalg.pinv(f)
+            self._costs[key] = combine_costs(costs, [float(v) for v in w])
+        return self._costs[key]
+
+    def cost(self, reach: Reach, batch_size: int, **step_fields) -> StepCost:
+        """The cost at `reach.point` with its reserve held as resident bytes before the chain."""
+        cost = self.at(batch_size, reach.point, reach.model, **step_fields)
+        reserve = int(math.ceil(reach.reserve_share * sum(checked_bytes(cost))))
+        return dataclasses.replace(cost, pre_saved_bytes=cost.pre_saved_bytes + reserve)
