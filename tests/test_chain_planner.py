@@ -355,3 +355,24 @@ def test_time_metric_recomputes_the_block_whose_gather_is_cheap(cheap):
     assert "1.00 GB/s all-gather" in str(plan) and "parameters all-gathered again" in str(plan)
     plain = StepCost(blocks=blocks, batch_size=1, meta={"rates": NS_RATES.to_dict()})
     assert solve_chain(plain, 250, metric="time").cost == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_plan_that_checkpoints_nothing_is_found_without_the_search_exactly_as_the_search_finds_it(seed, monkeypatch):
+    """Where keeping every block fits and every segment costs recompute, that plan is the only one of cost 0:
+    it is returned without running the DP, the same solution the DP returns (run in full with `stats`)."""
+    import lightning_ckpt.planning.chain_planner as chain_planner
+
+    rng = random.Random(30_000 + seed)
+    cost = rich_cost(rng, rng.randint(1, 8)) if seed % 2 else uniform(rng.randint(1, 12))
+    kept = predict_peak(cost, []).peak_bytes
+    runs = []
+    real_solve = chain_planner._solve
+    monkeypatch.setattr(chain_planner, "_solve", lambda *a, **kw: runs.append(1) or real_solve(*a, **kw))
+    for budget in (kept - 1, kept, kept + rng.randint(1, 10**6)):
+        runs.clear()
+        got = solve_chain(cost, budget)
+        searched = bool(runs)
+        assert got == solve_chain(cost, budget, stats={}), (budget, got)
+        if budget >= kept and seed % 2 == 0:  # uniform: every block's recompute is positive
+            assert got is not None and got.segments == [] and not searched

@@ -71,18 +71,18 @@ def _close(predicted: int, measured: int, tolerance: float) -> bool:
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
 @pytest.mark.parametrize("config", TP_CONFIGS)
 def test_tensor_parallel_per_rank(two, config):
-    """TP=2 (and with sequence parallelism): every rank's held state is within 3 % of the static model, the
-    predicted peak of `optimal` under a budget just above `full`'s is within 3 % of the tracked peak of
-    local storages and within the budget, and the losses equal training without the callback bit for
-    bit; both ranks run rank 0's plan. (`full` is held to 10 %: in some runs rank 0's step measured a
-    logits-sized buffer (229 KB) more, not seen on rank 1 nor in other runs of the same step.)"""
+    """TP=2 (and with sequence parallelism): every rank's held state is within 1 % of the static model
+    (the row-wise embedding's gradient by the vocabulary-sized storage it keeps), the predicted peak
+    of `optimal` under a budget just above `full`'s within 3 % of the tracked peak of local storages
+    and within the budget, `full`'s within 3 % (high by one block boundary), and the losses equal
+    training without the callback bit for bit; both ranks run rank 0's plan."""
     for r in two:
         found = r[config]
-        assert _close(found["predicted_held"], found["held"], 0.03), (r["rank"], found)
-        for policy, tolerance in (("full", 0.10), ("optimal", 0.03)):
+        assert _close(found["predicted_held"], found["held"], 0.01), (r["rank"], found)
+        for policy in ("full", "optimal"):
             run = found[policy]
             assert run["losses"] == found["losses_plain"] and len(run["losses"]) == STEPS, (r["rank"], policy)
-            assert _close(run["predicted_peak"], run["measured_peak"], tolerance), (r["rank"], policy, run)
+            assert _close(run["predicted_peak"], run["measured_peak"], 0.03), (r["rank"], policy, run)
         optimal = found["optimal"]
         assert optimal["fits"] and optimal["measured_peak"] <= optimal["budget"], (r["rank"], optimal)
         assert 0 < len(optimal["checkpointed"]) < N_BLOCKS  # the budget is planned, not refused
@@ -104,12 +104,17 @@ def test_infeasible_message_counts_per_rank(two):
 @pytest.mark.parametrize("config", ["op_level", "loss_parallel", "bf16"])
 def test_other_tensor_parallel_configurations(two, config):
     """Op-level plans, `loss_parallel` (the vocabulary sharded through the loss) and bf16-mixed, under
-    TP=2: the same plan on both ranks, the predicted peak within 3.5 % of the measured one, losses equal
-    without the callback. (Planned at the edge of the budget, these steps measured up to 2.6 % over it.)"""
+    TP=2: the same plan on both ranks, losses equal without the callback. Planned at the edge of the
+    budget, `loss_parallel` and bf16 measure within 1 % of the prediction and within the budget; the
+    op-level plan within 3.5 % (it measures more than predicted, and over the budget by up to 2 %)."""
     for r in two:
         found = r[config]
-        assert found["run"]["losses"] == found["losses_plain"] and len(found["losses_plain"]) == STEPS, (r["rank"], found)
-        assert _close(found["run"]["predicted_peak"], found["run"]["measured_peak"], 0.035), (r["rank"], found)
+        run = found["run"]
+        assert run["losses"] == found["losses_plain"] and len(found["losses_plain"]) == STEPS, (r["rank"], found)
+        tolerance = 0.035 if config == "op_level" else 0.01
+        assert _close(run["predicted_peak"], run["measured_peak"], tolerance), (r["rank"], run)
+        if config != "op_level":
+            assert run["fits"] and run["measured_peak"] <= run["budget"], (r["rank"], run)
     assert two[0][config]["run"]["plan"] == two[1][config]["run"]["plan"]
 
 

@@ -1,6 +1,6 @@
 """Per-rank sizes of DTensor parameters: torch's chunking as arithmetic, and the static memory of a
 tensor-parallel model (parameters, gradients, optimizer state by local shard) on torch's fake
-process group, rank 0 and rank 1 of an uneven shard."""
+process group, rank 0 and rank 1 of an uneven shard; a gradient by the storage it keeps."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_ckpt.profiling.static_memory import static_memory
-from lightning_ckpt.profiling.tp_memory import largest_shard_numel, local_nbytes, shard_shape
+from lightning_ckpt.profiling.tp_memory import grad_held_bytes, largest_shard_numel, local_nbytes, shard_shape
 from tp_models import LlamaBlock, fake_world, tp_plan
 
 
@@ -73,3 +73,40 @@ group's collectives cannot run an uneven backward on rank 1: the gradients are s
     assert before.optimizer_state_bytes == 2 * 4 * local + 4 * 10  # two moments and a step per parameter
     assert after.optimizer_state_bytes == before.optimizer_state_bytes
     assert before.optimizer_transient_bytes == 2 * 4 * d * d  # two of the largest local shard (gate: 2d x d halved)
+
+
+def test_gradient_held_by_its_storage():
+    """A gradient alone on a larger storage holds all of it; gradients viewing one buffer (DDP's
+    buckets) and parameters without one count their own size."""
+    a, b, c, frozen = (nn.Parameter(torch.zeros(4)) for _ in range(4))
+    frozen.requires_grad_(False)
+    a.grad = torch.zeros(10)[:4]  # a chunk of a 40-byte storage, the only gradient on it
+    bucket = torch.zeros(8)
+    b.grad, c.grad = bucket[:4], bucket[4:]
+    held = grad_held_bytes([a, b, c, frozen])
+    assert held == {id(a): 40, id(b): 16, id(c): 16}
+    c.grad = None
+    assert grad_held_bytes([b, c]) == {id(b): 32, id(c): 16}  # b alone on the bucket now; c none yet
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_rowwise_embedding_gradient_keeps_the_vocabulary(rank):
+    """A row-wise sharded embedding's gradient is its rank's rows of a gradient over the whole
+    vocabulary, whose storage it keeps: counted so once it exists (a column-wise linear's is its shard)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    with fake_world(2, rank):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16, bias=False))
+        mesh = init_device_mesh("cpu", (2,))
+        parallelize_module(model, mesh, {"0": RowwiseParallel(input_layouts=Replicate()), "1": ColwiseParallel()})
+        before = static_memory(model).grad_bytes
+        model(torch.randint(0, 16, (2, 5))).sum().backward()
+        held = grad_held_bytes(model.parameters())
+        after = static_memory(model).grad_bytes
+    embed, head = model[0].weight, model[1].weight
+    assert local_nbytes(embed) == local_nbytes(head) == 8 * 8 * 4
+    assert held == {id(embed): 16 * 8 * 4, id(head): 8 * 8 * 4}
+    assert (before, after) == (2 * 8 * 8 * 4, 16 * 8 * 4 + 8 * 8 * 4)

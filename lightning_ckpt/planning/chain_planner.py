@@ -155,6 +155,8 @@ def solve_chain(
         return None
     if stats is not None:
         stats.clear()
+    elif beam is None and (kept := _all_kept(a, budget)) is not None:
+        return kept
     deadline = None if time_limit_s is None else time.perf_counter() + float(time_limit_s)
     if beam is None:
         beam = _BEAM if a.n >= _BEAM_FROM else 0
@@ -171,6 +173,24 @@ def solve_chain(
         bound = min(stop.lower_bound, guess[0])
         return dataclasses.replace(guess[1], lower_bound=bound / a.cost_scale if a.cost_scale != 1.0 else bound)
     return None if found is None else found[1]
+
+
+def _all_kept(a: ChainArrays, budget: int) -> ChainSolution | None:
+    """The plan that checkpoints nothing, when it fits and is the optimum `_solve` would return: every
+    segment costs more than 0 and no op option can lower a cost, so it is the only plan of cost 0. Its
+    demand is the DP's over "keep" elements only (`_solve`), without running the DP."""
+    if a.n == 0 or any(k.shape[0] for k in a.opt_k):
+        return None
+    seg_cost = a.K[1:] - np.maximum.accumulate(a.P[:-1])  # the cheapest segment ending at each block
+    if not bool(np.all(seg_cost > 0)):
+        return None
+    d = int(a.end_need)
+    for p in range(a.n - 1, -1, -1):  # the end counts as a segment start: the last block's output held there
+        d = max(int(a.keep_need[p]), int(a.saved[p]) + d - (int(a.o[a.n]) if p == a.n - 1 else 0))
+        if d > budget:
+            return None
+    best = np.zeros(1, dtype=a.P.dtype)[0].item()
+    return ChainSolution(best / a.cost_scale if a.cost_scale != 1.0 else best, max(d, a.opt_need), [], {})
 
 
 def _deepen(

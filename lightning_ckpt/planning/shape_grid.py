@@ -23,7 +23,8 @@ import numpy as np
 
 from lightning_ckpt.costs.block_costs import StepCost
 from lightning_ckpt.costs.linear_fit import Profile
-from lightning_ckpt.planning.shape_profile import FIT_TOLERANCE, checked_bytes, combine_costs
+from lightning_ckpt.planning.cost_combination import CostCombination
+from lightning_ckpt.planning.shape_profile import FIT_TOLERANCE, checked_bytes
 
 MODELS = ("area", "area and its square", "bilinear", "quadratic")
 CHECK_POINTS = 2  # points beyond a model's features: each held-out point is predicted from an over-determined fit
@@ -153,13 +154,13 @@ class GridProfile:
         key = (batch_size, point, model, tuple(sorted(step_fields.items())))
         if key not in self._costs:
             line = (batch_size, key[3])
-            if line not in self._costs:  # each profile's line at this batch, for every point
-                self._costs[line] = [p.at(batch_size, **step_fields) for _, p in self.points]
-            costs = self._costs[line]
-            f = self._matrix(model, [p for p, _ in self.points])
+            if line not in self._costs:  # each profile's line at this batch, gathered once for every point
+                self._costs[line] = CostCombination([p.at(batch_size, **step_fields) for _, p in self.points])
+            if model not in self._costs:  # the fit's weights are features @ pinv: pinv once per model
+                self._costs[model] = np.linalg.pinv(self._matrix(model, [p for p, _ in self.points]))
             scale = self.scale
-            w = np.array(features(model, [n / s for n, s in zip(point, scale)])) @ np.linalg.pinv(f)
-            self._costs[key] = combine_costs(costs, [float(v) for v in w])
+            w = np.array(features(model, [n / s for n, s in zip(point, scale)])) @ self._costs[model]
+            self._costs[key] = self._costs[line].combine([float(v) for v in w])
         return self._costs[key]
 
     def cost(self, reach: Reach, batch_size: int, **step_fields) -> StepCost:

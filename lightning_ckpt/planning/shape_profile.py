@@ -13,19 +13,17 @@ inside the profiled range and when that check is within its tolerance. Plain dat
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from lightning_ckpt.costs.block_costs import BlockCost, OpCost, StepCost
-from lightning_ckpt.costs.linear_fit import _BLOCK_LINEAR, _SIGNED_TIMES, _STEP_LINEAR, _TAILS, Profile, relative_miss
+from lightning_ckpt.costs.block_costs import StepCost
+from lightning_ckpt.costs.linear_fit import _STEP_LINEAR, Profile, relative_miss
+from lightning_ckpt.planning.cost_combination import CostCombination, combine_costs
 
 FIT_TOLERANCE = 0.01  # worst leave-one-out miss (share of the step's checked bytes) under which the fit is trusted
 MIN_FIT_LENGTHS = 4  # the leave-one-out check of a quadratic needs three lengths left in
-_OP_FIELDS = ("keep_bytes", "flops", "mem_bytes", "rng_bytes")
-_INT_STEP = (*_STEP_LINEAR, "post_forward_bytes")
 
 
 def _weights(xs: Sequence[float], x: float) -> tuple[float, ...]:
@@ -39,65 +37,9 @@ def _weights(xs: Sequence[float], x: float) -> tuple[float, ...]:
     return tuple(float(w) for w in at @ np.linalg.pinv(vander))
 
 
-def _poly(w: Sequence[float], ys: Sequence[float]) -> float:
-    return sum(a * b for a, b in zip(w, ys))
-
-
-def _fit_ops(opss: Sequence[tuple[OpCost, ...]], w: Sequence[float]) -> tuple[OpCost, ...]:
-    """The block's op calls at the fitted length, when every profiled length ran the same calls;
-    else none (no op-level options for that block at that length)."""
-    keys = [tuple(o.key for o in ops) for ops in opss]
-    if not keys or any(k != keys[0] for k in keys):
-        return ()
-    fitted = []
-    for calls in zip(*opss):
-        kw = {f: max(0, int(round(_poly(w, [getattr(o, f) for o in calls])))) for f in _OP_FIELDS}
-        fitted.append(
-            dataclasses.replace(
-                calls[0], saved=all(o.saved for o in calls), keepable=all(o.keepable for o in calls),
-                in_tail=all(o.in_tail for o in calls), **kw,
-            )
-        )
-    return tuple(fitted)
-
-
-def _fit_block(blocks: Sequence[BlockCost], w: Sequence[float]) -> BlockCost:
-    kw = {f.name: getattr(blocks[0], f.name) for f in dataclasses.fields(blocks[0])}
-    for f in _BLOCK_LINEAR:
-        v = max(0.0, _poly(w, [getattr(b, f) for b in blocks]))
-        kw[f] = v if f == "fwd_ms" else int(round(v))
-    peaks = [b.ckpt_fwd_peak_bytes for b in blocks]
-    kw["ckpt_fwd_peak_bytes"] = None if None in peaks else int(round(max(0.0, _poly(w, peaks))))
-    for f in _SIGNED_TIMES:
-        values = [getattr(b, f) for b in blocks]
-        kw[f] = None if None in values else _poly(w, values)
-    kw["input_saved_bytes"] = min(kw["input_saved_bytes"], kw["input_bytes"])
-    kw["output_saved_bytes"] = min(kw["output_saved_bytes"], kw["output_bytes"])
-    kw["input_saved_by_previous_bytes"] = min(kw["input_saved_by_previous_bytes"], kw["input_bytes"])
-    for tail, whole in _TAILS:
-        kw[tail] = min(kw[tail], kw[whole])
-    kw["chains_from_previous"] = all(b.chains_from_previous for b in blocks)
-    kw["ops"] = _fit_ops([b.ops for b in blocks], w)
-    return BlockCost(**kw)
-
-
 def fit_costs(costs: Sequence[StepCost], lengths: Sequence[int], length: int) -> StepCost:
     """The step cost at `length` from costs at the same batch size and other `lengths`."""
     return combine_costs(costs, _weights([float(v) for v in lengths], float(length)))
-
-
-def combine_costs(costs: Sequence[StepCost], w: Sequence[float]) -> StepCost:
-    """The step cost whose every quantity is the same linear combination `w` of the quantities of `costs`
-    (the weights of a least-squares fit evaluated at one shape), field by field."""
-    first = costs[0]
-    blocks = tuple(_fit_block([c.blocks[i] for c in costs], w) for i in range(first.n_blocks))
-    fields = {}
-    for f in _INT_STEP:
-        values = [getattr(c, f) for c in costs]
-        fields[f] = None if None in values else int(round(max(0.0, _poly(w, values))))
-    meta = dict(first.meta)
-    meta["step_fwd_flops"] = max(0.0, _poly(w, [c.meta.get("step_fwd_flops", 0) for c in costs]))
-    return dataclasses.replace(first, blocks=blocks, meta=meta, **fields)
 
 
 def checked_bytes(cost: StepCost) -> list[float]:
@@ -156,9 +98,10 @@ class ShapeProfile:
         fields = tuple(sorted(step_fields.items()))
         key = (batch_size, length, fields)
         if key not in self._fitted:
-            if (batch_size, fields) not in self._fitted:  # each profile's line at this batch, for every length
-                self._fitted[(batch_size, fields)] = [p.at(batch_size, **step_fields) for _, p in self.profiles]
-            self._fitted[key] = fit_costs(self._fitted[(batch_size, fields)], self.lengths, length)
+            if (batch_size, fields) not in self._fitted:  # each profile's line at this batch, gathered once for every length
+                self._fitted[(batch_size, fields)] = CostCombination([p.at(batch_size, **step_fields) for _, p in self.profiles])
+            w = _weights([float(v) for v in self.lengths], float(length))  # as `fit_costs`
+            self._fitted[key] = self._fitted[(batch_size, fields)].combine(w)
         return self._fitted[key]
 
     def fit_error(self, batch_size: int) -> float | None:

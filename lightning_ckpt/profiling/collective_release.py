@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_leaves
 __all__ = ["RELEASE_TIMEOUT_S", "call_op", "is_issued_collective"]
 
 _NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")  # torch's functional collectives
-RELEASE_TIMEOUT_S = 0.1  # past this the collective's thread is left to let go when it does (never seen)
+RELEASE_TIMEOUT_S = 0.1  # past this the collective's thread is left to let go when it does (a floor misjudged)
 _POLL_S = 1e-5
 
 

@@ -100,6 +100,10 @@ class Probe:
         self.exit_tick = [0] * n
         self.grad_tick: list[int | None] = [None] * n
         self.grad_serial: dict[int, int] = {}
+        # every storage a parameter's `.grad` was in the backward: a module called several times may have its
+        # gradient replaced by the sum at a later call, and the first is a gradient too, not a carried tensor
+        self.param_grads: set[int] = set()
+        self.grad_written: dict[int, int | None] = {}  # id of a parameter -> the block whose backward wrote its .grad
         self.owned: list[list] = [[] for _ in range(n)]  # (serial, bytes) of what each block saved first
         self.shared_serials: list[list] = [[] for _ in range(n)]
         self.input_serial: list[int | None] = [None] * n
@@ -232,6 +236,15 @@ class Probe:
         return _minus(self.fwd_work[i], _minus(self.work_at_last_pack[i], self.work_at_entry[i]))
 
     # backward
+    def grad_accumulated(self, param: torch.Tensor) -> None:
+        """A parameter's gradient was written (`Tensor.register_post_accumulate_grad_hook`)."""
+        serial = self.ledger.serial(storage_key(param.grad)) if param.grad is not None else None
+        if serial is not None:
+            self.param_grads.add(serial)
+        # a parameter used by several calls gets its .grad once all their contributions are in (autograd sums
+        # them first): in the backward of the call that runs last, not of the first
+        self.grad_written.setdefault(id(param), self.bwd_open)
+
     def _bwd_marker(self, i: int):
         def hook(grad):
             self._close_window()
@@ -281,6 +294,7 @@ class Probe:
         for k in gapped:
             self.chains[k] = False
         grads = {led.serial(storage_key(p.grad)) for p in model.parameters() if p.grad is not None} - {None}
+        grads |= self.param_grads
         marks = Marks(self.entry_tick, self.exit_tick, self.grad_tick, forward_end, backward_end)
         terms = carried_terms(led, marks, self.chains, grads, self.output_serial, self.grad_serial)
         self.last_output = None

@@ -41,7 +41,7 @@ from lightning_ckpt.profiling.probe_hooks import Probe
 from lightning_ckpt.profiling.profile_budget import NoRoom, ProfileBudget, SliceRoom, check_within, optional_pass, probe_within
 from lightning_ckpt.profiling.profile_budget import AT_LIMIT, SampleTooLong, released, smaller_probes
 from lightning_ckpt.profiling.state import preserved_state
-from lightning_ckpt.profiling.tp_memory import local_nbytes
+from lightning_ckpt.profiling.tp_memory import grad_held_bytes, local_nbytes
 from lightning_ckpt.profiling.tp_work import comm_bytes
 from lightning_ckpt.profiling.written_state import WrittenStateWatch
 from lightning_ckpt.profiling.tracker import storage_key, unique_storage_bytes
@@ -50,18 +50,28 @@ StepFn = Callable[[Any], torch.Tensor]
 MAX_REFITS = 2  # how often profiling leaves its smallest slice out and checks on one twice as large
 
 
-def _grad_bytes(module: nn.Module) -> int:
-    return sum(local_nbytes(p) for p in module.parameters() if p.requires_grad)  # this rank's shards
+def _grad_bytes(module: nn.Module, held: dict[int, int]) -> int:
+    """What the gradients of `module`'s trainable parameters hold (`held`: `grad_held_bytes` after a backward)."""
+    return sum(held.get(id(p), local_nbytes(p)) for p in module.parameters() if p.requires_grad)
 
 
-def _entry_grad_bytes(blocks: Sequence[nn.Module]) -> list[int]:
-    """Per entry, the gradient bytes its backward makes first: a module called several times gets its
-    gradients at the backward of its last call (the first to run), none at the others'."""
+def _entry_grad_bytes(blocks: Sequence[nn.Module], held: dict[int, int], written: dict[int, int | None]) -> list[int]:
+    """Per entry, the gradient bytes its backward makes. A module called several times: each parameter's
+    gradient where the backward wrote it (`written`: autograd sums the calls' contributions first, and the
+    sum lands in the backward of the call that runs last), else at its last call's backward (the first to run)."""
     out = [0] * len(blocks)
-    last = {id(b): i for i, b in enumerate(blocks)}
+    calls: dict[int, list[int]] = {}
     for i, b in enumerate(blocks):
-        if last[id(b)] == i:
-            out[i] = _grad_bytes(b)
+        calls.setdefault(id(b), []).append(i)
+    for b in {id(b): b for b in blocks}.values():
+        at_last = calls[id(b)][-1]
+        if len(calls[id(b)]) == 1:
+            out[at_last] = _grad_bytes(b, held)
+            continue
+        for p in b.parameters():
+            if p.requires_grad:
+                at = written.get(id(p))
+                out[at if at in calls[id(b)] else at_last] += held.get(id(p), local_nbytes(p))
     return out
 
 
@@ -83,15 +93,15 @@ def probe_step(
     batch_tensors = list(tensors_in(batch))
     batch_keys = {storage_key(t) for t in batch_tensors} - {None}
     inside = {id(p) for b in blocks for p in b.parameters()}
-    outside = {  # trainable parameters outside the blocks: where the forward reads them last
-        storage_key(p): local_nbytes(p) for p in model.parameters() if p.requires_grad and id(p) not in inside
+    outside_params = {  # trainable parameters outside the blocks: where the forward reads them last
+        storage_key(p): p for p in model.parameters() if p.requires_grad and id(p) not in inside
     }
-    outside.pop(None, None)
+    outside_params.pop(None, None)
     with preserved_state(model):
         tracker = flops = work = ProbeCounters(ledger=StorageLedger())  # live bytes, FLOPs and work: one mode
         batch_bytes = unique_storage_bytes(batch_tensors)
         tracker.limit_bytes = None if room_bytes is None else room_bytes - batch_bytes
-        tracker.ledger.param_last = dict.fromkeys(outside)
+        tracker.ledger.param_last = dict.fromkeys(outside_params)
         probe = Probe(model, blocks, tracker, flops, names, work, batch_keys, OpProfileRecorder())
         handles = _watch_python_state(blocks, watch := PythonStateWatch(len(blocks)))
         handles += _watch_written_state(blocks, written := WrittenStateWatch(len(blocks)))
@@ -99,6 +109,7 @@ def probe_step(
         sites = CallSites(blocks, names=names)
         handles += hook_calls(sites, probe.pre_hook, probe.post_hook, with_kwargs=True, prepend=True, strict=True)
         handles += [b.register_forward_pre_hook(probe.parameters_seen) for b in distinct(blocks)]
+        handles += [p.register_post_accumulate_grad_hook(probe.grad_accumulated) for p in model.parameters() if p.requires_grad]
         try:
             with tracker:
                 with torch.autograd.graph.saved_tensors_hooks(probe.pack, probe.unpack):
@@ -122,14 +133,16 @@ def probe_step(
         finally:
             for h in handles:
                 h.remove()
+        held = grad_held_bytes(model.parameters())  # what each gradient the backward made holds
+        outside = {key: held.get(id(p), local_nbytes(p)) for key, p in outside_params.items()}
         fwd_ms = _time_blocks(model, blocks, step_fn, batch) if timing else [0.0] * len(blocks)
         ckpt_peaks = _nosave_forward_peaks(blocks, step_fn, batch)
         pass_bytes = batch_bytes + tracker.max_live_bytes
         terms, gaps, late = probe.account_carried(model, forward_end, backward_end, ckpt_peaks, outside)
         probe.hold_in_head(terms.carried, forward_end)
 
-    entry_grads = _entry_grad_bytes(blocks)
-    outside_grad = _grad_bytes(model) - sum(entry_grads)
+    entry_grads = _entry_grad_bytes(blocks, held, probe.grad_written)
+    outside_grad = _grad_bytes(model, held) - sum(entry_grads)
     room = max(0, outside_grad)  # parameters shared by two blocks count twice in the blocks' sum
     for i, nbytes in enumerate(late):
         late[i] = min(nbytes, room)

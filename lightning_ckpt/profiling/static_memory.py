@@ -4,7 +4,8 @@ Counted from the live objects where they exist; the optimizer's state is estimat
 from its type before its first step (Adam keeps two moments per parameter, SGD
 with momentum one buffer, ...), since most optimizers create it lazily. Every size is what
 this process holds: a DTensor parameter (tensor parallelism) by its local shard
-(`tp_memory.local_nbytes`), and so its gradient and optimizer state.
+(`tp_memory.local_nbytes`), and so its optimizer state and gradient (an existing gradient by
+the storage it keeps: `tp_memory.grad_held_bytes`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_ckpt.profiling.tp_memory import local_nbytes
+from lightning_ckpt.profiling.tp_memory import grad_held_bytes, local_nbytes
 from lightning_ckpt.profiling.tracker import unique_storage_bytes
 
 
@@ -86,7 +87,7 @@ def static_memory(model: nn.Module, optimizers: list[torch.optim.Optimizer] | tu
     return StaticMemory(
         param_bytes=unique_storage_bytes(params),
         buffer_bytes=unique_storage_bytes(model.buffers()),
-        grad_bytes=sum(local_nbytes(p) for p in _trainable(params)),
+        grad_bytes=sum(grad_held_bytes(params).values()),  # (as the gradients that exist hold them)
         optimizer_state_bytes=sum(optimizer_state_bytes(o) for o in optimizers),
         optimizer_transient_bytes=max((optimizer_transient_bytes(o) for o in optimizers), default=0),
     )

@@ -3,20 +3,21 @@
 A DTensor's `numel()` is its global size; the rank holds its local shard. `local_numel` and
 `local_nbytes` size any parameter by the tensor this process holds (a plain tensor whole, a DTensor
 with `Replicate` whole, with `Shard` its chunk, FSDP2 over tensor parallelism the chunk of the
-chunk): what its gradient and an optimizer's per-parameter state hold too. `shard_shape` is torch's
+chunk): what an optimizer's per-parameter state holds too, and a gradient unless it is a chunk of a
+larger storage of its own (`grad_held_bytes`: the row-wise embedding's). `shard_shape` is torch's
 chunking as arithmetic (`torch.chunk` per sharded mesh dimension, in mesh order): the first
 coordinates get the larger chunks, so rank 0 holds the most of every uneven parameter.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
-from lightning_ckpt.profiling.tracker import local_tensor
+from lightning_ckpt.profiling.tracker import local_tensor, storage_bytes, storage_key
 
-__all__ = ["largest_shard_numel", "local_nbytes", "local_numel", "shard_shape"]
+__all__ = ["grad_held_bytes", "largest_shard_numel", "local_nbytes", "local_numel", "shard_shape"]
 
 
 def local_numel(t: torch.Tensor) -> int:
@@ -27,6 +28,24 @@ def local_numel(t: torch.Tensor) -> int:
 def local_nbytes(t: torch.Tensor) -> int:
     """Bytes of the elements this process holds of `t`, in `t`'s dtype."""
     return local_numel(t) * t.element_size()
+
+
+def grad_held_bytes(params: Iterable[torch.Tensor]) -> dict[int, int]:
+    """id(parameter) -> the bytes its gradient holds, for the trainable ones: the whole storage of a
+    gradient that is the only one on it (the row-wise sharded embedding's is a chunk of the full
+    vocabulary's gradient, which it keeps alive), else (no gradient yet, or views of one buffer:
+    DDP's buckets, FSDP2's reduce-scatter output) its `local_nbytes`."""
+    params = [p for p in params if p.requires_grad]
+    owners: dict = {}
+    for p in params:
+        if p.grad is not None:
+            owners.setdefault(storage_key(p.grad), set()).add(id(p))
+    out = {}
+    for p in params:
+        key = None if p.grad is None else storage_key(p.grad)
+        alone = key is not None and len(owners[key]) == 1
+        out[id(p)] = max(storage_bytes(p.grad), local_nbytes(p)) if alone else local_nbytes(p)
+    return out
 
 
 def _chunk(size: int, parts: int, index: int) -> int:
