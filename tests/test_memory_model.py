@@ -211,7 +211,16 @@ def costs_and_plans(draw, max_blocks: int = 8):
     """A random `StepCost` (every overlap field, measured or unmeasured in-flight peaks)
     and a random valid plan of it: per block kept, a new segment, or the same segment."""
     blocks = draw(st.lists(block_costs(), min_size=0, max_size=max_blocks))
-    blocks = tuple(dataclasses.replace(b, name=f"b{i}") for i, b in enumerate(blocks))
+    # what a block shares with the one before it was saved by that one (as a profile measures it): at most
+    # what it saved, and nothing for the first block
+    blocks = tuple(
+        dataclasses.replace(
+            b, name=f"b{i}",
+            input_saved_by_previous_bytes=min(b.input_saved_by_previous_bytes, blocks[i - 1].saved_bytes) if i else 0,
+            shared_with_previous_bytes=min(b.shared_with_previous_bytes, blocks[i - 1].saved_bytes) if i else 0,
+        )
+        for i, b in enumerate(blocks)
+    )
     cost = StepCost(
         blocks=blocks,
         batch_size=1,
