@@ -15,7 +15,9 @@ from torch.utils._pytree import tree_leaves
 __all__ = ["RELEASE_TIMEOUT_S", "call_op", "is_issued_collective"]
 
 _NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")  # torch's functional collectives
-RELEASE_TIMEOUT_S = 0.1  # past this the collective's thread is left to let go when it does (a floor misjudged)
+# past this the collective's thread is left to let go when it does (a floor misjudged); the wait ends as soon as it
+# lets go (well under a millisecond here), and on a loaded machine its thread may wait long for a core
+RELEASE_TIMEOUT_S = 2.0
 _POLL_S = 1e-5
 
 
