@@ -11,7 +11,10 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from oracles import (
     all_plans,
     brute_force,
@@ -19,8 +22,10 @@ from oracles import (
     reference_optimal_segments,
     walk_peak,
 )
-from test_policies import random_cost, uniform
+from test_policies import random_cost, step_costs, uniform
 
+from lightning_ckpt.planning.all_kept import all_kept_optimum
+from lightning_ckpt.planning.chain_arrays import chain_arrays
 from lightning_ckpt.planning.chain_planner import solve_chain
 from lightning_ckpt.costs.block_costs import BlockCost, StepCost
 from lightning_ckpt.costs.machine_rates import MachineRates
@@ -376,3 +381,35 @@ def test_a_plan_that_checkpoints_nothing_is_found_without_the_search_exactly_as_
         assert got == solve_chain(cost, budget, stats={}), (budget, got)
         if budget >= kept and seed % 2 == 0:  # uniform: every block's recompute is positive
             assert got is not None and got.segments == [] and not searched
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    cost=step_costs,
+    rnd=st.randoms(use_true_random=False),
+    metric=st.sampled_from(["flops", "ms", "time", "time_overhead", "huge_flops"]),
+    delta=st.one_of(st.integers(-3, 3), st.integers(-(10**6), 10**7)),
+)
+def test_the_scalar_test_for_keeping_every_block_agrees_with_the_search(cost, rnd, metric, delta):
+    """`all_kept_optimum` decides from the cost alone what the search decides on its columns: where it
+    answers, the search (run in full with `stats`) returns that same solution, types of the cost included."""
+    if metric == "huge_flops":  # float64 costs: FLOPs past the int64 sums
+        big = 2**50
+        blocks = tuple(dataclasses.replace(b, fwd_flops=b.fwd_flops * big, tail_flops=b.tail_flops * big) for b in cost.blocks)
+        cost, metric = dataclasses.replace(cost, blocks=blocks), "flops"
+    if metric == "ms":
+        blocks = tuple(dataclasses.replace(b, fwd_ms=rnd.choice((0.0, rnd.uniform(0, 3)))) for b in cost.blocks)
+        cost = dataclasses.replace(cost, blocks=blocks)
+    if metric.startswith("time"):
+        rates = dataclasses.replace(NS_RATES, segment_s=7e-9) if metric == "time_overhead" else NS_RATES
+        cost, metric = with_work(rnd, cost, rates), "time"
+    budget = predict_peak(cost, []).peak_bytes + delta
+    found = all_kept_optimum(cost, budget, metric)
+    full = solve_chain(cost, budget, metric=metric, stats={})
+    assert solve_chain(cost, budget, metric=metric) == full
+    if found is not None:
+        assert full is not None and full.segments == [] and not full.keeps
+        assert (found[0], found[1]) == (full.cost, full.peak_bytes) and type(found[0]) is type(full.cost)
+    elif full is not None and not full.segments and cost.n_blocks:  # undecided only where a segment may cost 0
+        a = chain_arrays(cost, metric)
+        assert not np.all(a.K[1:] - np.maximum.accumulate(a.P[:-1]) > 0)

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import gc
 import json
-import socket
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from rank_jobs import free_port
 import torch
 from torch import nn
 
@@ -112,12 +112,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 SPAWN_TIMEOUT_S = 100  # the two ranks take about 15 s; a hang ends here, with its own error, before the 120 s
 
 
@@ -126,7 +120,7 @@ def ranks(tmp_path_factory) -> list[dict]:
     import torch.multiprocessing as mp
 
     out = tmp_path_factory.mktemp("ddp_memory")
-    context = mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=2, join=False)
+    context = mp.spawn(_worker, args=(free_port(), str(out)), nprocs=2, join=False)
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     while not context.join(timeout=max(deadline - time.monotonic(), 0.0)):  # raises if a rank failed
         if time.monotonic() >= deadline:

@@ -59,11 +59,10 @@ def test_bf16_parameters_and_no_reshard():
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    from test_strategy import launch_two_ranks
+    from rank_jobs import launch_ranks
 
     out = tmp_path_factory.mktemp("fsdp_ranks")
-    launch_two_ranks([__file__, str(out)], out, JOB_TIMEOUT_S)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return launch_ranks(2, [__file__, str(out)], out, JOB_TIMEOUT_S)
 
 
 @pytest.mark.slow

@@ -11,72 +11,26 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from rank_jobs import DIST_ENV, EXTENSIONS_DIR, launch_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB_TIMEOUT_S = 420  # the whole two-rank job takes about 1.5 minutes here; a hang is killed at this point
-# DeepSpeed JIT-builds its shared-memory op on first use (30-60 s); a fixed cache builds it once.
-EXTENSIONS_DIR = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache" / "lightning-ckpt" / "torch_extensions")
-# Variables a distributed run leaves behind; the ranks must not inherit stale ones.
-DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
-            "LOCAL_WORLD_SIZE", "CROSS_RANK", "CROSS_SIZE", "PL_GLOBAL_SEED", "PL_TRAINER_GPUS")
-
 STAGES = (1, 2, 3)
 PRECISIONS = ("32-true", "bf16-mixed")
 N_BLOCKS, D_MODEL, SEQ, BATCH, STEPS = 5, 32, 64, 8, 5
 BUCKET = 2**20  # DeepSpeed's reduce bucket (elements); its 5e8 default would be 2 GB of buckets here
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_env(rank: int, port: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
-    env.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0",
-        WORLD_SIZE="2", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=EXTENSIONS_DIR,
-        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")]),
-    )
-    return env
-
-
-def launch_two_ranks(args: list[str], out_dir: Path, timeout_s: float) -> None:
-    """Run `python *args` as ranks 0 and 1. If one fails the other is killed at once (it would
-    wait for its peer in a collective); both are killed if not done in time."""
-    port = _free_port()
-    procs = []
-    for rank in (0, 1):
-        with open(out_dir / f"rank{rank}.log", "w") as log:
-            procs.append(subprocess.Popen([sys.executable, *args], cwd=ROOT, env=_rank_env(rank, port), stdout=log,
-                                          stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + timeout_s
-    while any(p.poll() is None for p in procs):
-        if time.monotonic() > deadline or any(p.returncode not in (None, 0) for p in procs):
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            break
-        time.sleep(0.2)
-    codes = [p.wait(timeout=60) for p in procs]  # killed or done: at once
-    if codes != [0, 0]:
-        tails = "\n".join(f"--- rank {r} ---\n{(out_dir / f'rank{r}.log').read_text()[-3000:]}" for r in (0, 1))
-        pytest.fail(f"two-rank job failed or hung (return codes {codes}, timeout {timeout_s} s):\n{tails}")
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("two_ranks")
-    launch_two_ranks([__file__, str(out)], out, JOB_TIMEOUT_S)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return launch_ranks(2, [__file__, str(out)], out, JOB_TIMEOUT_S)
 
 
 # ---------------------------------------------------------------------------- in-process

@@ -12,43 +12,18 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from rank_jobs import launch_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB_TIMEOUT_S = 300  # each job takes under a minute here; a hang is killed at this point
 N_BLOCKS, D_MODEL, SEQ, VOCAB, BATCH, STEPS = 4, 64, 32, 256, 8, 4
 MEASURED_STEP = 2  # the step measured: optimizer state exists, as the plan assumes
 TP_CONFIGS = ("tp", "tp_sp")
-
-
-def launch_ranks(world: int, args: list[str], out_dir: Path, timeout_s: float) -> list[dict]:
-    """Run `python *args` as ranks 0..world-1; kill them all when one fails or time runs out."""
-    from test_strategy import _free_port, _rank_env
-
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(_rank_env(rank, port), WORLD_SIZE=str(world))
-        with open(out_dir / f"rank{rank}.log", "w") as log:
-            procs.append(subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + timeout_s
-    while any(p.poll() is None for p in procs):
-        if time.monotonic() > deadline or any(p.returncode not in (None, 0) for p in procs):
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            break
-        time.sleep(0.2)
-    codes = [p.wait(timeout=60) for p in procs]
-    if codes != [0] * world:
-        tails = "\n".join(f"--- rank {r} ---\n{(out_dir / f'rank{r}.log').read_text()[-3000:]}" for r in range(world))
-        pytest.fail(f"{world}-rank job failed or hung (return codes {codes}, timeout {timeout_s} s):\n{tails}")
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
 
 
 @pytest.fixture(scope="module")

@@ -176,13 +176,11 @@ class BlockCost:
     def __post_init__(self) -> None:
         if not isinstance(self.unreplayable, tuple):  # a list once it went through JSON
             object.__setattr__(self, "unreplayable", tuple(self.unreplayable))
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name in _SIGNED:
-                continue
-            if f.name.endswith(("_bytes", "_flops", "_ms")) and value is not None and value < 0:
+        for name in _NONNEGATIVE:
+            value = getattr(self, name)
+            if value is not None and value < 0:
                 raise ValueError(
-                    f"BlockCost {self.name!r}: {f.name}={value} is negative; costs are sizes and times, "
+                    f"BlockCost {self.name!r}: {name}={value} is negative; costs are sizes and times, "
                     "so they must be >= 0. Check the profile that produced it."
                 )
         if self.input_saved_bytes > self.input_bytes:
@@ -206,6 +204,12 @@ class BlockCost:
                 f"exceeds input_bytes={self.input_bytes}; the previous block cannot have saved more of this "
                 "block's input than there is."
             )
+
+
+# the sizes and times a BlockCost checks for >= 0, in field order (the first negative one is named)
+_NONNEGATIVE = tuple(
+    f.name for f in dataclasses.fields(BlockCost) if f.name not in _SIGNED and f.name.endswith(("_bytes", "_flops", "_ms"))
+)
 
 
 @dataclass(frozen=True)

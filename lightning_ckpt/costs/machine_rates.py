@@ -90,7 +90,7 @@ class MachineRates:
         return 1e3 * gather_bytes / self.gather_byte_per_s
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {f: getattr(self, f) for f in _FIELDS}  # `asdict`: every field is a number, a string or None
 
     @classmethod
     def from_dict(cls, data: dict) -> "MachineRates":
@@ -104,3 +104,6 @@ class MachineRates:
             f"({self.mem_dtype.removeprefix('torch.')}){gather}, {1e6 * self.segment_s:.0f} us per segment, "
             f"{1e6 * self.op_call_s:.1f} us per op call on {self.device}"
         )
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(MachineRates))

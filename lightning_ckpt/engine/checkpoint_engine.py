@@ -208,11 +208,12 @@ class CheckpointEngine:
         self._read_calls(batch)
         self._new_step()
         self._follow_accumulation()
-        shapes = self.driver.all_gather(shape_of(batch))  # every rank's, so that all decide alike
+        own = shape_of(batch)
+        shapes = self.driver.all_gather(own)  # every rank's, so that all decide alike
         shape = shapes[0] if len(set(shapes)) == 1 else largest_shape(shapes)
         if self._in_place(shape):
             return None
-        decision = self._plan_everywhere(batch, batch_idx, shapes)
+        decision = self._plan_everywhere(batch, batch_idx, shapes, own)
         self._switch_to(decision, shape)
         return decision
 
@@ -284,9 +285,12 @@ class CheckpointEngine:
         self.plan, self.shape = plan, shape
         self._cost = self._costs.get(shape, self._cost)
 
-    def _plan_everywhere(self, batch: Any, batch_idx: int, shapes: list[BatchShape]) -> ShapeDecision:
-        """The plan for `batch`'s shape: cached, resumed, or profiled (every rank) and planned on rank 0."""
-        shape = shape_of(batch)
+    def _plan_everywhere(
+        self, batch: Any, batch_idx: int, shapes: list[BatchShape], shape: BatchShape | None = None
+    ) -> ShapeDecision:
+        """The plan for `batch`'s shape (`shape`, when known): cached, resumed, or profiled (every rank) and
+        planned on rank 0."""
+        shape = shape_of(batch) if shape is None else shape
         if len(set(shapes)) > 1:  # the ranks' batches differ: every rank runs the plan of the largest
             return self._plan_largest(batch, shape, shapes, batch_idx)
         hit = self._shapes.cached(shape)

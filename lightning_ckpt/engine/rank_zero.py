@@ -71,8 +71,11 @@ def plan_on_rank_zero(plan_fn: Callable[[], Plan | None], broadcast: Broadcast, 
     When rank 0 failed, rank 0 raises its own exception and the other ranks raise it rebuilt
     from the broadcast. A non-zero rank that failed alone warns and takes rank 0's plan.
     Every rank reaches the broadcast, whatever `plan_fn` raised: otherwise the others wait in it forever.
+    A broadcast that gives back the very outcome it was given (one process; rank 0 itself) returns the plan
+    as it is: the dict was made from it, and `Plan.from_dict` of it gives an equal plan.
     """
     local_error: Exception | None = None
+    plan = None
     try:
         plan = plan_fn()
         outcome = PlanningOutcome(plan=None if plan is None else plan.to_dict())
@@ -86,4 +89,6 @@ def plan_on_rank_zero(plan_fn: Callable[[], Plan | None], broadcast: Broadcast, 
     if local_error is not None:
         warnings.warn(f"lightning-ckpt: rank {rank} failed to profile ({local_error}); it applies rank 0's plan.")
     assert shared.plan is not None, "rank 0 returned no plan"
+    if shared is outcome and plan is not None:  # nothing crossed a process: no copy to rebuild
+        return plan
     return Plan.from_dict(shared.plan)

@@ -48,16 +48,28 @@ class ShapeFamily:
     seen: dict[SampleKey, BatchShape] = field(default_factory=dict)
     tokens: tuple[tuple[int, int], ...] = ()  # the token dimension of a first batch of one sample, found in it alone
     profiles: dict[SampleKey, tuple[BatchShape, Profile, bool]] = field(default_factory=dict)
-    _fitted: dict = field(default_factory=dict, repr=False)  # own only -> (what it was built from, ShapeProfile)
+    # own only, "grid", "layout" -> (what it was built from, the ShapeProfile, GridProfile or (positions, axes))
+    _fitted: dict = field(default_factory=dict, repr=False)
 
     def positions(self) -> tuple[tuple[int, int], ...]:
-        shapes = list(self.seen.values()) + [s for s, _, _ in self.profiles.values()]
-        return (varying_positions(shapes) if len(shapes) > 1 else ()) or self.tokens
+        return self._layout()[0]
 
     def axes(self) -> tuple:
         """The varying positions grouped into independent sizes (`profiling.shapes.axes_of`)."""
-        shapes = list(self.seen.values()) + [s for s, _, _ in self.profiles.values()]
-        return axes_of(shapes, self.positions())
+        return self._layout()[1]
+
+    def _layout(self) -> tuple[tuple, tuple]:
+        """(positions, axes), found again only when a shape or the tokens changed: costing one shape asks
+        for them several times, and each pass reads every shape seen."""
+        seen = list(self.seen.values())
+        profiled = [s for s, _, _ in self.profiles.values()]
+        key = (seen, profiled, self.tokens)
+        cached = self._fitted.get("layout")
+        if cached is None or cached[0] != key:
+            shapes = seen + profiled
+            positions = (varying_positions(shapes) if len(shapes) > 1 else ()) or self.tokens
+            self._fitted["layout"] = cached = (key, (positions, axes_of(shapes, positions)))
+        return cached[1]
 
     def length(self, shape: BatchShape) -> int | None:
         """`shape`'s size in the one varying length; None when nothing varies or several sizes vary apart."""

@@ -51,10 +51,10 @@ class ChainArrays(ElementArrays):
     must_keep: np.ndarray | None = None  # blocks no segment may hold (`BlockCost.unreplayable`); None: none
 
 
-def chain_arrays(cost: StepCost, metric: str, granularity: str = "block", max_options: int | None = None) -> ChainArrays:
+def recompute_columns(cost: StepCost, metric: str, rates) -> tuple[list, list, int | float, float, type]:
+    """Per block, the recompute and the skipped tail in solver units (lists), the segment overhead,
+    the solver units per unit of the metric and the dtype the solver sums them in."""
     blocks = cost.blocks
-    n = len(blocks)
-    rates = metric_rates(cost, metric)
     rc = [block_recompute(b, metric, rates) for b in blocks]
     tails = [skipped_tail(b, metric, rates) for b in blocks]
     # [constraint] every segment ends at exactly one block: its fixed overhead goes with the end
@@ -68,7 +68,14 @@ def chain_arrays(cost: StepCost, metric: str, granularity: str = "block", max_op
         tails = [int(round(c * scale)) for c in tails]
         seg = int(round(seg * scale))
     integral = metric != "ms" and all(isinstance(c, int) for c in rc + tails) and sum(rc) + sum(tails) < _INT_LIMIT
-    cdt = np.int64 if integral else np.float64
+    return rc, tails, seg, scale, np.int64 if integral else np.float64
+
+
+def chain_arrays(cost: StepCost, metric: str, granularity: str = "block", max_options: int | None = None) -> ChainArrays:
+    blocks = cost.blocks
+    n = len(blocks)
+    rates = metric_rates(cost, metric)
+    rc, tails, seg, scale, cdt = recompute_columns(cost, metric, rates)
     P = np.zeros(n + 1, dtype=cdt)
     np.cumsum(np.array(rc, dtype=cdt), out=P[1:])
     K = np.zeros(n + 1, dtype=cdt)

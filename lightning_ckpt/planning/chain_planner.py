@@ -81,6 +81,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lightning_ckpt.planning.all_kept import all_kept_optimum
 from lightning_ckpt.planning.chain_arrays import ChainArrays, chain_arrays
 from lightning_ckpt.costs.block_costs import StepCost
 from lightning_ckpt.planning.element_arrays import segment_need_rows
@@ -144,19 +145,28 @@ def solve_chain(
     finds a plan of cost U; exact runs capped between the bound of the whole chain and U
     then find the optimum with the lowest peak (`_deepen`). Short chains: one uncapped run.
     """
-    a = chain_arrays(cost, metric, granularity, max_options)
     budget = int(budget_bytes)
+    if stats is None and beam is None and granularity == "block":
+        # the common case, from the cost alone: keeping every block fits and is the optimum
+        found = all_kept_optimum(cost, budget, metric)
+        if found is not None:
+            if max_segment_blocks is not None:
+                int(max_segment_blocks)  # a value that is no number fails as below
+            return ChainSolution(found[0], found[1], [], {})
+    a = chain_arrays(cost, metric, granularity, max_options)
     end_relief = int(a.o[a.n])  # a kept last block may already hold what the head runs on
     if a.opt_need > budget or a.end_need - end_relief > budget:
         return None
     max_len = a.n if max_segment_blocks is None else max(1, int(max_segment_blocks))
+    if stats is None and beam is None and (kept := _all_kept(a, budget)) is not None:
+        # before the bound: keeping every block fits, so it leaves W[n] <= budget - end_need + end relief
+        # resident, which `reaches` below grants (the most a plan frees is never below 0)
+        return kept
     lb = chain_bound(a)
     if not lb.reaches(a.n, budget - a.end_need + end_relief):
         return None
     if stats is not None:
         stats.clear()
-    elif beam is None and (kept := _all_kept(a, budget)) is not None:
-        return kept
     deadline = None if time_limit_s is None else time.perf_counter() + float(time_limit_s)
     if beam is None:
         beam = _BEAM if a.n >= _BEAM_FROM else 0

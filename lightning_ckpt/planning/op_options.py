@@ -253,6 +253,8 @@ def validate_keeps(cost: StepCost, segments: Sequence[tuple[int, int]], keeps: K
 
 def kept_bytes(block: BlockCost, keys: Collection[OpKey]) -> int:
     """Bytes `block` holds from forward to backward for its kept calls `keys`."""
+    if not keys:  # most blocks keep none: the sum below is 0
+        return 0
     want = set(keys)
     return sum(op.keep_bytes for op in block.ops if op.key in want)
 
@@ -260,6 +262,8 @@ def kept_bytes(block: BlockCost, keys: Collection[OpKey]) -> int:
 def kept_value(block: BlockCost, keys: Collection[OpKey], metric: str, rates: MachineRates | None) -> float:
     """Recompute the kept calls `keys` of `block` avoid, in `metric` (in `time` net of the
     fixed cost of keeping, `keep_overhead_ms`, and scaled by `keep_calibration`)."""
+    if not keys:  # most blocks keep none: the value below is 0, `_net_ms`'s 0.0 in `time`
+        return 0.0 if metric == "time" and rates is not None else 0
     want = set(keys)
     value = sum(op_value(op, block, metric, rates) for op in block.ops if op.key in want)
     if metric == "time" and rates is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
+from operator import attrgetter
 
 import numpy as np
 
@@ -45,11 +46,17 @@ class BlockColumns:
 
     @classmethod
     def of(cls, blocks: Sequence[BlockCost]) -> BlockColumns:
-        def col(name: str) -> np.ndarray:
-            get = ckpt_forward_bytes if name == "ckpt_fwd_peak_bytes" else (lambda b: getattr(b, name))
-            return np.array([get(b) for b in blocks], dtype=np.int64).reshape(len(blocks))
-
-        return cls(**{f.name: col(f.name) for f in fields(cls)})
+        names = [f.name for f in fields(cls)]
+        peak = names.index("ckpt_fwd_peak_bytes")
+        read = attrgetter(*names)
+        rows = []
+        for b in blocks:
+            row = list(read(b))
+            row[peak] = ckpt_forward_bytes(b)
+            rows.append(row)
+        # one table, each column a contiguous row of its transpose (each value converted as one column would)
+        table = np.array(rows, dtype=np.int64).reshape(len(blocks), len(names)).T.copy()
+        return cls(*table)
 
     def map(self, fn: Callable[[np.ndarray], np.ndarray]) -> BlockColumns:
         """The same columns, each passed through `fn` (a slice, or windows over the blocks)."""

@@ -79,6 +79,10 @@ class BlockRow:
     kept_because: str = ""  # why planning may not checkpoint it (Python state its forward writes)
 
 
+# every BlockRow field is a number, a string or None: a row's dict needs no deep copy
+_ROW_FIELDS = tuple(f.name for f in dataclasses.fields(BlockRow))
+
+
 @dataclass(frozen=True)
 class Plan:
     policy: str
@@ -214,7 +218,7 @@ class Plan:
             "recompute_est_ms": self.recompute_est_ms,
             "rates": self.rates,
             "fits": self.fits,
-            "rows": [dataclasses.asdict(r) for r in self.rows],
+            "rows": [{f: getattr(r, f) for f in _ROW_FIELDS} for r in self.rows],  # `asdict`, without its deep copies
             "granularity": self.granularity,
             "keeps": [[p, [list(k) for k in keys]] for p, keys in self.keeps],
             "gap": self.gap,

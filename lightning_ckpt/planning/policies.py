@@ -45,6 +45,7 @@ from lightning_ckpt.planning.segment_shapes import (
 from lightning_ckpt.planning.recompute_cost import (
     block_recompute,
     metric_rates,
+    plan_recompute,
     recompute_cost,
 )
 
@@ -386,12 +387,12 @@ def build_plan(
         peak_phase=peak.phase,
         budget_bytes=None if budget_bytes is None else int(budget_bytes),
         static_bytes=int(cost.static_bytes),
-        recompute_flops=int(recompute_cost(cost, segs, "flops", kept, inner)),
-        recompute_ms=float(recompute_cost(cost, segs, "ms", kept, inner)),
+        recompute_flops=int(plan_recompute(cost, segs, "flops", None, kept, inner)),
+        recompute_ms=float(plan_recompute(cost, segs, "ms", None, kept, inner)),
         step_flops=3 * fwd_flops,
         rows=rows,
         cost_metric=metric,
-        recompute_est_ms=None if rates is None else float(recompute_cost(cost, segs, "time", kept, inner)),
+        recompute_est_ms=None if rates is None else float(plan_recompute(cost, segs, "time", rates, kept, inner)),
         rates=None if rates is None else rates.to_dict(),
         granularity=granularity,
         keeps=tuple(sorted(kept.items())),

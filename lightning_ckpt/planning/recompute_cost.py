@@ -108,7 +108,14 @@ def recompute_cost(
     """Recompute cost of a plan: every checkpointed block is rebuilt exactly once, less
     what the op outputs `keeps` keeps (blocks checkpointed alone, `op_options`) avoid;
     a segment with `inner` segments inside costs `nested_model.nested_segment_cost`."""
-    rates = metric_rates(cost, metric)
+    return plan_recompute(cost, segments, metric, metric_rates(cost, metric), keeps, inner)
+
+
+def plan_recompute(
+    cost: StepCost, segments: Segments, metric: str, rates: MachineRates | None, keeps: Keeps | None = None,
+    inner: Segments = (),
+) -> float:
+    """`recompute_cost` with the machine rates already read (`metric_rates(cost, metric)`)."""
     total = 0
     for a, b in segments:
         if inner and direct_children(a, b, inner):

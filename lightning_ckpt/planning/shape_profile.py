@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lightning_ckpt.costs.block_costs import StepCost
-from lightning_ckpt.costs.linear_fit import _STEP_LINEAR, Profile, relative_miss
+from lightning_ckpt.costs.linear_fit import _STEP_LINEAR, Profile
 from lightning_ckpt.planning.cost_combination import CostCombination, combine_costs
 
 FIT_TOLERANCE = 0.01  # worst leave-one-out miss (share of the step's checked bytes) under which the fit is trusted

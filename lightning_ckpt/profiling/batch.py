@@ -19,11 +19,13 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection, is_dataclass_instance
 
 
-def batch_size_of(batch: Any) -> int:
-    """The leading dimension shared by the most tensors of dim >= 1 (ties: the first such tensor's)."""
-    sizes = Counter(t.shape[0] for t in tensors_in(batch) if t.dim() > 0)
+def batch_size_of(batch: Any, tensors: list[torch.Tensor] | None = None) -> int:
+    """The leading dimension shared by the most tensors of dim >= 1 (ties: the first such tensor's);
+    `tensors`: the batch's `tensors_in`, when the caller has them already."""
+    tensors = list(tensors_in(batch)) if tensors is None else tensors
+    sizes = Counter(t.shape[0] for t in tensors if t.dim() > 0)
     if not sizes:
-        scalars = sum(1 for _ in tensors_in(batch))
+        scalars = len(tensors)
         held = f"only {scalars} scalar tensor(s)" if scalars else "no tensors at all"
         raise ValueError(
             f"cannot tell the batch size: the batch is a {type(batch).__name__} that holds no tensor with a batch "

@@ -21,8 +21,18 @@ RELEASE_TIMEOUT_S = 2.0
 _POLL_S = 1e-5
 
 
+_ISSUED: dict[Any, bool] = {}  # op overload -> `is_issued_collective` (its namespace and schema never change)
+
+
 def is_issued_collective(func: Any) -> bool:
     """Whether op `func` issues a functional collective (not the wait for one)."""
+    found = _ISSUED.get(func)
+    if found is None:
+        found = _ISSUED[func] = _issues_collective(func)
+    return found
+
+
+def _issues_collective(func: Any) -> bool:
     if getattr(func, "namespace", None) not in _NAMESPACES:
         return False
     schema = getattr(func, "_schema", None)

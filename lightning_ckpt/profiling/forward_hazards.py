@@ -62,13 +62,21 @@ def _attributes(module: nn.Module, skip: frozenset[str] | tuple[str, ...] = _MOD
     for key, value in vars(module).items():
         if key in skip:
             continue
-        if _plain(value):
-            attrs[key] = ("plain", value)
-        elif isinstance(value, torch.Tensor):
-            attrs[key] = ("tensor", id(value))
-        elif isinstance(value, (list, dict)):
-            attrs[key] = ("container", len(value))
+        found = _attribute(value)
+        if found is not None:
+            attrs[key] = found
     return attrs
+
+
+def _attribute(value: Any) -> tuple | None:
+    """How `_attributes` keeps one value: by value, by object, by length; None: not kept."""
+    if _plain(value):
+        return ("plain", value)
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value))
+    if isinstance(value, (list, dict)):
+        return ("container", len(value))
+    return None
 
 
 def _snapshot(module: nn.Module) -> tuple[dict[str, tuple], dict[str, tuple[int, int, torch.Tensor]]]:
@@ -125,12 +133,19 @@ _STRATEGY_PREFIXES = ("ds_", "_ds_", "__ds")
 _STRATEGY_ATTRIBUTES = frozenset({"applied_pre_backward_ref_cnt", "pre_bwd_fn", "post_bwd_fn"})
 
 
+_NOT_MODEL_STATE = _MODULE_INTERNALS | _STRATEGY_ATTRIBUTES
+
+
 def _model_state(module: nn.Module) -> dict[str, tuple]:
     """`_attributes` of what the model itself keeps on `module` (not torch's, not a strategy's)."""
-    return {
-        key: value for key, value in _attributes(module, _MODULE_INTERNALS).items()
-        if key not in _STRATEGY_ATTRIBUTES and not key.startswith(_STRATEGY_PREFIXES)
-    }
+    attrs: dict[str, tuple] = {}
+    for key, value in vars(module).items():  # (`_attributes`, with the other keys skipped first)
+        if key in _NOT_MODEL_STATE or key.startswith(_STRATEGY_PREFIXES):
+            continue
+        found = _attribute(value)
+        if found is not None:
+            attrs[key] = found
+    return attrs
 
 
 def _global_draws() -> tuple[Any, Any]:

@@ -40,7 +40,10 @@ _NO_WRITE = {
 }
 
 
-def written_bytes(func: Any, args: tuple, kwargs: dict, out: Any, inputs: set | None = None) -> int:
+def written_bytes(
+    func: Any, args: tuple, kwargs: dict, out: Any, inputs: set | None = None, outs: list | None = None,
+    out_keys: list | None = None,
+) -> int:
     """Bytes `func` wrote: numel x element size of every tensor it returns, except views.
 
     A returned tensor on the storage of an input is a view (`view`, `t`, `_unsafe_view`,
@@ -48,25 +51,55 @@ def written_bytes(func: Any, args: tuple, kwargs: dict, out: Any, inputs: set | 
     the mutated tensor's bytes). Allocation-only ops (`empty`, `empty_like`, ...) write
     nothing. Only outputs count, not bytes read: a single rate per byte written,
     measured on a mix of ops (`rates.measure_rates`), absorbs the reads. `inputs`, when
-    given, are the storage keys of the arguments (a dispatch mode that has them already).
+    given, are the storage keys of the arguments (a dispatch mode that has them already);
+    `outs` and `out_keys` the tensors in `out` and their storage keys, likewise.
     """
-    schema = getattr(func, "_schema", None)
-    if schema is None or getattr(func, "_overloadpacket", None) in _NO_WRITE or getattr(func, "is_view", False):
+    mutable = _write_kind(func)
+    if mutable is None:
         return 0  # not an aten-style op (no schema), or one that writes nothing
-    outs = flat_tensors(out)
+    if outs is None:
+        outs = flat_tensors(out)
+        out_keys = None
     if not outs:
         return 0
-    if schema.is_mutable:
+    if mutable:
         return sum(t.numel() * t.element_size() for t in outs)
     if inputs is None:
         inputs = {storage_key(t) for t in flat_tensors((args, kwargs))}
     if None in inputs:
         inputs = inputs - {None}
-    return sum(t.numel() * t.element_size() for t in outs if storage_key(t) not in inputs)
+    if out_keys is None:
+        out_keys = [storage_key(t) for t in outs]
+    return sum(t.numel() * t.element_size() for t, key in zip(outs, out_keys) if key not in inputs)
+
+
+_UNSEEN = object()
+_WRITES: dict[Any, bool | None] = {}  # op overload -> `_write_kind` (read off its schema, which never changes)
+
+
+def _write_kind(func: Any) -> bool | None:
+    """None for an op that writes no data (no schema, allocation only, a view); else whether it mutates
+    its arguments (its schema says so: every output counts) or only makes new outputs."""
+    found = _WRITES.get(func, _UNSEEN)
+    if found is not _UNSEEN:
+        return found
+    schema = getattr(func, "_schema", None)
+    if schema is None or getattr(func, "_overloadpacket", None) in _NO_WRITE or getattr(func, "is_view", False):
+        found = None
+    else:
+        found = bool(schema.is_mutable)
+    _WRITES[func] = found
+    return found
+
+
+_RANDOM: dict[Any, bool] = {}  # op overload -> whether it draws random numbers (its tags never change)
 
 
 def _is_random(func: Any) -> bool:
-    return torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+    found = _RANDOM.get(func)
+    if found is None:
+        found = _RANDOM[func] = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+    return found
 
 
 class WorkTally:
@@ -88,6 +121,8 @@ class WorkTally:
         self.flop_dtypes: Counter[tuple[str, torch.dtype]] = Counter()
         self.mem_dtypes: Counter[tuple[str, torch.dtype]] = Counter()
         self.on_op: Callable[..., None] | None = None
+        # (inputs, out_keys) of the op `on_op` is told of, as `tally` was given them (None: not known)
+        self.op_keys: tuple[set | None, list | None] = (None, None)
 
     def snapshot(self) -> tuple[int, int]:
         """(mem_bytes, rng_bytes) so far."""
@@ -95,11 +130,12 @@ class WorkTally:
 
     def tally(
         self, func: Any, args: tuple, kwargs: dict, out: Any, outs: list, flops: int, inputs: set | None = None,
-        local: "WorkTally | None" = None,
+        local: "WorkTally | None" = None, out_keys: list | None = None,
     ) -> None:
         """Count one op: `outs` its tensor outputs, `flops` what the FLOP counter gave it;
-        `inputs`, when known, the storage keys of its tensor arguments. `local`: the work the op
-        did on this rank's local tensors (a DTensor op, `tp_work.LocalWork`), counted instead."""
+        `inputs`, when known, the storage keys of its tensor arguments, and `out_keys` those of `outs`.
+        `local`: the work the op did on this rank's local tensors (a DTensor op, `tp_work.LocalWork`),
+        counted instead."""
         first = outs[0] if outs else None
         mem = rng = 0
         if local is not None:
@@ -115,7 +151,7 @@ class WorkTally:
             if first is not None:
                 self.flop_dtypes[(str(first.device), first.dtype)] += flops
         else:
-            nbytes = written_bytes(func, args, kwargs, out, inputs)
+            nbytes = written_bytes(func, args, kwargs, out, inputs, outs, out_keys)
             if nbytes:
                 if _is_random(func):
                     rng = nbytes
@@ -126,6 +162,7 @@ class WorkTally:
                 if first is not None and first.is_floating_point():
                     self.mem_dtypes[(str(first.device), first.dtype)] += nbytes
         if self.on_op is not None:
+            self.op_keys = (inputs, out_keys)
             self.on_op(func, args, kwargs, outs, flops, mem, rng)
 
     def dominant(self) -> dict[str, str]:

@@ -97,8 +97,11 @@ class OpProfileRecorder:
         flops: int,
         mem_bytes: int,
         rng_bytes: int,
+        inputs: set | None = None,
+        out_keys: Sequence[Any] | None = None,
     ) -> None:
-        """One op call, seen once at the top of the dispatch modes; `outs` its tensor outputs."""
+        """One op call, seen once at the top of the dispatch modes; `outs` its tensor outputs. `inputs`
+        and `out_keys`, when the caller has them, are the storage keys of its arguments and of `outs`."""
         key = self._counter.key(func)
         if key is None:
             return  # selective checkpointing does not number it (`detach`, metadata ops)
@@ -107,10 +110,12 @@ class OpProfileRecorder:
         keepable = False
         if outs and not getattr(func, "is_view", False):
             written = self._written_keys(func, args, kwargs, index)
-            inputs = _tensor_keys((args, kwargs))
+            if inputs is None:
+                inputs = _tensor_keys((args, kwargs))
+            if out_keys is None:
+                out_keys = [storage_key(t) for t in outs]
             aliased = False
-            for t in outs:
-                k = storage_key(t)
+            for t, k in zip(outs, out_keys):
                 if k is None or k in inputs or k in written:
                     aliased = True
                 elif self._created.get(k, -1) != index:  # a new storage, counted once per call

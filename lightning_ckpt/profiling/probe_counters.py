@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from lightning_ckpt.profiling.collective_release import call_op
 from lightning_ckpt.profiling.op_bytes import WorkTally
-from lightning_ckpt.profiling.tp_work import any_fake, has_dtensor
+from lightning_ckpt.profiling.tp_work import any_fake, dtensor_in, has_dtensor
 from lightning_ckpt.profiling.tracker import LiveBytesTracker, flat_tensors, storage_key
 
 __all__ = ["LocalWork", "ProbeCounters"]
@@ -47,10 +47,70 @@ _QUERIES = {
 }
 
 
+_SHAPE_WRAPPED = shape_wrapper(lambda: 0).__code__  # torch's formulas take shapes, mapped by that wrapper
+_CIA = torch._C.DispatchKey.CompositeImplicitAutograd
+_PRIM_DEVICE = torch.ops.prim.device.default
+
+
 def _op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     """FLOPs of one op that runs as it is, by torch's formulas (`torch.utils.flop_counter`)."""
     formula = flop_registry.get(func._overloadpacket)
-    return int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
+    if formula is None:
+        return 0
+    inner = getattr(formula, "__wrapped__", None)
+    if inner is not None and getattr(formula, "__code__", None) is _SHAPE_WRAPPED:
+        # what that wrapper passes (tensors as their shapes), without its general tree_map
+        try:
+            shapes, kw_shapes, out_shape = _shape_list(args), _shape_of(kwargs), _shape_of(out)
+        except _Unmapped:
+            pass
+        else:
+            return int(inner(*shapes, out_shape=out_shape, **kw_shapes))
+    return int(formula(*args, **kwargs, out_val=out))
+
+
+class _Unmapped(Exception):
+    """A container `_shape_of` leaves to torch's own tree_map (a named tuple: it keeps its type)."""
+
+
+def _shape_of(v: Any) -> Any:
+    """`tree_map(get_shape, v)` of `torch.utils.flop_counter` for plain tuples, lists and dicts."""
+    if isinstance(v, torch.Tensor):
+        return v.shape
+    kind = type(v)
+    if kind is tuple:
+        return tuple(_shape_list(v))
+    if kind is list:
+        return _shape_list(v)
+    if kind is dict:
+        return dict(zip(v.keys(), _shape_list(v.values())))
+    if isinstance(v, (tuple, list, dict)):
+        raise _Unmapped
+    return v
+
+
+def _shape_list(values: Any) -> list:
+    return [
+        x.shape if isinstance(x, torch.Tensor) else _shape_of(x) if isinstance(x, (tuple, list, dict)) else x
+        for x in values
+    ]
+
+
+_HAS_CIA: dict[Any, bool] = {}  # op overload -> whether a C++ CompositeImplicitAutograd kernel is registered for it
+
+
+def _decomposes(func: Any) -> bool:
+    """Whether `func.decompose` may run a decomposition (what it checks first, in torch/_ops.py): an op
+    without one returns NotImplemented there, so no mode needs to be entered for it."""
+    try:
+        if _CIA in func.py_kernels:
+            return True
+        found = _HAS_CIA.get(func)
+        if found is None:
+            found = _HAS_CIA[func] = torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _CIA)
+        return found
+    except AttributeError:  # not an op overload: let `decompose` say
+        return True
 
 
 class _DecomposedFlops(TorchDispatchMode):
@@ -75,15 +135,18 @@ class _FlopCounting:
     total_flops: int
     local: "LocalWork | None"
 
-    def _run_counting_flops(self, func: Any, args: tuple, kwargs: dict, mode: TorchDispatchMode) -> Any:
+    def _run_counting_flops(
+        self, func: Any, args: tuple, kwargs: dict, mode: TorchDispatchMode, flat: list | None = None
+    ) -> Any:
+        """`flat`: the tensors in (args, kwargs), when the caller has them."""
         # [as FlopCounterMode] an op with a decomposition runs it, with the FLOPs of the ops it
         # decomposes into counted (that counter looks an overload up among packets: never found)
-        if func is not torch.ops.prim.device.default:
+        if func is not _PRIM_DEVICE and _decomposes(func):
             with _DecomposedFlops(self) if mode is self else mode:
                 out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
                 return out
-        if has_dtensor((args, kwargs)):
+        if dtensor_in(flat) if flat is not None else has_dtensor((args, kwargs)):
             # [constraint] the rank runs it on local shards (redistributed first when the op needs
             # it): those ops are what it costs here, seen by a mode of their own below DTensor's dispatch
             local = self.local = self.local or LocalWork(getattr(self, "track_local", None))
@@ -156,15 +219,17 @@ class ProbeCounters(_FlopCounting, LiveBytesTracker, WorkTally):
             return NotImplemented
         before = self.total_flops
         self.local = None
-        out = self._run_counting_flops(func, args, kwargs, self)
+        flat = flat_tensors((args, kwargs))  # the same tensors after the op; their storages are read after it
+        out = self._run_counting_flops(func, args, kwargs, self, flat)
         local, self.local = self.local, None
         # Views and in-place results share an input's storage: never a new one (see the tracker)
-        inputs = {storage_key(t) for t in flat_tensors((args, kwargs))}
+        inputs = {storage_key(t) for t in flat}
         outs = flat_tensors(out)
-        self.tally(func, args, kwargs, out, outs, self.total_flops - before, inputs, local)
+        out_keys = [storage_key(t) for t in outs]
+        self.tally(func, args, kwargs, out, outs, self.total_flops - before, inputs, local, out_keys)
         if self.ledger is not None:
             self.ledger.used(inputs)
-        for t in outs:
-            if storage_key(t) not in inputs:
-                self._track(t)
+        for t, key in zip(outs, out_keys):
+            if key not in inputs:
+                self._track(t, key)
         return out

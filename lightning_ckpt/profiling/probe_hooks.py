@@ -154,7 +154,12 @@ class Probe:
         self.work_at_entry[i] = self.work_at_last_pack[i] = self._work()
         if self.op_profile is not None:
             self.op_profile.begin()
-            self.work.on_op = self.op_profile.record
+            self.work.on_op = self._record_op
+
+    def _record_op(self, func, args, kwargs, outs, flops, mem, rng) -> None:
+        """`op_profile.record`, given the storage keys `work` has for the op already."""
+        inputs, out_keys = self.work.op_keys
+        self.op_profile.record(func, args, kwargs, outs, flops, mem, rng, inputs, out_keys)
 
     def parameters_seen(self, module, *args) -> None:
         """Know the block's parameters by identity. FSDP2 (like ZeRO-3) swaps in unsharded parameters
@@ -195,9 +200,9 @@ class Probe:
 
     def pack(self, t: torch.Tensor):
         i = self.current
-        self.ledger.saved(storage_key(t))
+        key = storage_key(t)
+        self.ledger.saved(key)
         if i is not None:
-            key = storage_key(t)
             base = t if t._base is None else t._base
             activation = (
                 key is not None and key not in self.param_keys and key not in self.batch_keys

@@ -52,7 +52,12 @@ MAX_REFITS = 2  # how often profiling leaves its smallest slice out and checks o
 
 def _grad_bytes(module: nn.Module, held: dict[int, int]) -> int:
     """What the gradients of `module`'s trainable parameters hold (`held`: `grad_held_bytes` after a backward)."""
-    return sum(held.get(id(p), local_nbytes(p)) for p in module.parameters() if p.requires_grad)
+    return sum(_held_bytes(p, held) for p in module.parameters() if p.requires_grad)
+
+
+def _held_bytes(p: torch.Tensor, held: dict[int, int]) -> int:
+    found = held.get(id(p))
+    return local_nbytes(p) if found is None else found
 
 
 def _entry_grad_bytes(blocks: Sequence[nn.Module], held: dict[int, int], written: dict[int, int | None]) -> list[int]:
@@ -71,7 +76,7 @@ def _entry_grad_bytes(blocks: Sequence[nn.Module], held: dict[int, int], written
         for p in b.parameters():
             if p.requires_grad:
                 at = written.get(id(p))
-                out[at if at in calls[id(b)] else at_last] += held.get(id(p), local_nbytes(p))
+                out[at if at in calls[id(b)] else at_last] += _held_bytes(p, held)
     return out
 
 
@@ -134,7 +139,7 @@ def probe_step(
             for h in handles:
                 h.remove()
         held = grad_held_bytes(model.parameters())  # what each gradient the backward made holds
-        outside = {key: held.get(id(p), local_nbytes(p)) for key, p in outside_params.items()}
+        outside = {key: _held_bytes(p, held) for key, p in outside_params.items()}
         fwd_ms = _time_blocks(model, blocks, step_fn, batch) if timing else [0.0] * len(blocks)
         ckpt_peaks = _nosave_forward_peaks(blocks, step_fn, batch)
         pass_bytes = batch_bytes + tracker.max_live_bytes

@@ -74,7 +74,8 @@ class BatchShape:
 
 def shape_of(batch: Any) -> BatchShape:
     """The batch's shape (cheap: sizes only)."""
-    return BatchShape(batch_size_of(batch), tuple(tuple(t.shape) for t in tensors_in(batch)))
+    tensors = list(tensors_in(batch))
+    return BatchShape(batch_size_of(batch, tensors), tuple(tuple(t.shape) for t in tensors))
 
 
 def varying_positions(shapes: Sequence[BatchShape]) -> tuple[Position, ...]:

@@ -6,10 +6,9 @@ written in place."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import random
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -67,13 +66,18 @@ def preserved_state(model: nn.Module) -> Iterator[None]:
             for item in held:
                 _restore(item, failed)
             for (name, p), g, r in zip(named, grads, requires):
-                _attempt(failed, name, "grad", lambda p=p, g=g, r=r: _restore_grad(p, g, r))
+                try:  # (`_attempt`, inline: one per parameter and attribute)
+                    _restore_grad(p, g, r)
+                except Exception as err:
+                    _failed(failed, name, "grad", err)
             for m, mode in modes:
                 m.training = mode
             for path, m, saved in attrs:
                 for key, value in saved.items():
-                    put_back = lambda m=m, key=key, value=value: _restore_attribute(m, key, value)  # noqa: E731
-                    _attempt(failed, path or "<model>", key, put_back)
+                    try:
+                        _restore_attribute(m, key, value)
+                    except Exception as err:
+                        _failed(failed, path or "<model>", key, err)
             for m, state in metrics:
                 for k, v in state.items():
                     setattr(m, k, v)
@@ -91,8 +95,7 @@ class StateRestoreError(RuntimeError):
     """Some buffers, parameters or attributes could not be put back after profiling (each one named)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class _HeldTensor:
+class _HeldTensor(NamedTuple):  # (a tuple: made for every buffer of every probe)
     """A buffer as found: where it lives, the object and a copy of its values."""
 
     module: nn.Module
@@ -118,7 +121,11 @@ def _attempt(failed: list[str], path: str, name: str, restore) -> None:
     try:
         restore()
     except Exception as err:  # every item is restored whatever the others do; failures are reported together
-        failed.append(f"{path}.{name} ({type(err).__name__}: {err})")
+        _failed(failed, path, name, err)
+
+
+def _failed(failed: list[str], path: str, name: str, err: Exception) -> None:
+    failed.append(f"{path}.{name} ({type(err).__name__}: {err})")
 
 
 def _restore(item: _HeldTensor, failed: list[str]) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from lightning_ckpt.profiling.tracker import flat_tensors
 
-__all__ = ["any_fake", "collective_bytes", "comm_bytes", "has_dtensor", "is_collective"]
+__all__ = ["any_fake", "collective_bytes", "comm_bytes", "dtensor_in", "has_dtensor", "is_collective"]
 
 # torch's functional collectives (DTensor redistribution, tensor-parallel layers); FSDP2 and DDP use
 # c10d's in-place ones, which stay out of this count (their recompute gathers nothing more: `gather`)
@@ -35,7 +35,17 @@ def has_dtensor(values: Any) -> bool:
     """Whether `values` (an op's arguments, through tuples, lists and dicts) hold a DTensor."""
     if _DTensor is None:
         return False
-    return any(isinstance(t, _DTensor) for t in flat_tensors(values))
+    return dtensor_in(flat_tensors(values))
+
+
+def dtensor_in(tensors: list[torch.Tensor]) -> bool:
+    """Whether one of `tensors` (an op's, flattened once: `tracker.flat_tensors`) is a DTensor."""
+    if _DTensor is None:
+        return False
+    for t in tensors:
+        if isinstance(t, _DTensor):
+            return True
+    return False
 
 
 def any_fake(values: Any) -> bool:

@@ -35,16 +35,22 @@ def flat_tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
     out: list[torch.Tensor] = []
-    stack = [value]
-    while stack:
-        v = stack.pop()
+    if isinstance(value, (tuple, list)):
+        _collect(value, out)
+    elif isinstance(value, dict):
+        _collect(value.values(), out)
+    return out
+
+
+def _collect(values: Iterable[Any], out: list[torch.Tensor]) -> None:
+    """Append the tensors in `values` to `out`, depth first, in order."""
+    for v in values:
         if isinstance(v, torch.Tensor):
             out.append(v)
         elif isinstance(v, (tuple, list)):
-            stack.extend(reversed(v))
+            _collect(v, out)
         elif isinstance(v, dict):
-            stack.extend(reversed(list(v.values())))
-    return out
+            _collect(v.values(), out)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -53,16 +59,28 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return local if isinstance(local, torch.Tensor) else t
 
 
+_DEVICES: dict[torch.device, tuple[str, bool]] = {}  # device -> (its name in keys, whether it is meta)
+
+
 def storage_key(t: torch.Tensor) -> tuple[str, int] | None:
     """(device, data pointer) of the storage behind `t`; None for meta, empty or storage-less tensors
     (a storage FSDP2 freed by resizing it to 0 bytes, a wrapper subclass without data)."""
+    local = getattr(t, "_local_tensor", None)  # `local_tensor`, inline: this runs for every tensor of every op
     try:
-        st = local_tensor(t).untyped_storage()
-        if st.device.type == "meta" or st.nbytes() == 0:
-            return None
-        return (str(st.device), st.data_ptr())
+        return _key_of((local if isinstance(local, torch.Tensor) else t).untyped_storage())
     except (RuntimeError, NotImplementedError):  # meta, sparse, functional wrappers, invalid python storage
         return None
+
+
+def _key_of(st: Any) -> tuple[str, int] | None:
+    """`storage_key` of storage `st` (it runs for every tensor an op takes or makes: device names are kept)."""
+    device = st.device
+    found = _DEVICES.get(device)
+    if found is None:
+        found = _DEVICES[device] = (str(device), device.type == "meta")
+    if found[1] or st.nbytes() == 0:
+        return None
+    return (found[0], st.data_ptr())
 
 
 def storage_bytes(t: torch.Tensor) -> int:
@@ -86,6 +104,9 @@ def unique_storage_bytes(tensors: Iterable[Any]) -> int:
         seen.add(key)
         total += storage_bytes(t)
     return total
+
+
+_UNKNOWN = object()
 
 
 class LiveBytesOverLimit(torch.OutOfMemoryError):
@@ -114,7 +135,7 @@ class LiveBytesTracker(TorchDispatchMode):
         self.limit_bytes: int | None = None
         self.max_live_bytes = 0  # the most seen while active, whatever `reset_peak` did
         self._live: dict[tuple[str, int], int] = {}
-        self._finalizers: list[weakref.finalize] = []
+        self._finalizers: list[weakref.ref] = []
 
     def adopt(self, tensors: Iterable[Any]) -> None:
         """Count storages that already exist (parameters, gradients, optimizer state).
@@ -140,21 +161,26 @@ class LiveBytesTracker(TorchDispatchMode):
             if self.ledger is not None:
                 self.ledger.freed(key)
 
-    def _track(self, t: torch.Tensor) -> None:
+    def _track(self, t: torch.Tensor, key: Any = _UNKNOWN) -> None:
+        """Count `t`'s storage if it is new (`key`: its `storage_key`, when the caller has it)."""
         if self.device is not None and t.device.type != self.device:
             return
-        key = storage_key(t)
+        if key is _UNKNOWN:
+            key = storage_key(t)
         if key is None or key in self._live:
             return
         st = local_tensor(t).untyped_storage()
         nbytes = int(st.nbytes())
         self._live[key] = nbytes
-        self.live_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        self.max_live_bytes = max(self.max_live_bytes, self.live_bytes)
+        live = self.live_bytes = self.live_bytes + nbytes
+        if live > self.peak_bytes:
+            self.peak_bytes = live
+        if live > self.max_live_bytes:
+            self.max_live_bytes = live
         if self.ledger is not None:
             self.ledger.born(key, nbytes)
-        self._finalizers.append(weakref.finalize(st, self._free, key))
+        # a weak reference whose callback frees it (what `weakref.finalize` does, for a fraction of its cost)
+        self._finalizers.append(weakref.ref(st, lambda _ref, key=key: self._free(key)))
         if self.limit_bytes is not None and self.live_bytes > self.limit_bytes:
             raise LiveBytesOverLimit(
                 f"live tensor bytes reached {self.live_bytes} with a storage of {nbytes} bytes, over the limit of "
@@ -165,20 +191,23 @@ class LiveBytesTracker(TorchDispatchMode):
         out = call_op(func, args, kwargs)  # a collective's tensors freed by the step, not its thread
         # Views and in-place results share an input's storage: that storage was either
         # counted when it was made or existed before the mode (a parameter): skip it.
+        outs = flat_tensors(out)
+        keys = [storage_key(t) for t in outs]
+        live = self._live
+        if self.ledger is None and all(key is None or key in live for key in keys):
+            return out  # nothing to count: the inputs' storages need not be read
         inputs = {storage_key(t) for t in flat_tensors((args, kwargs))}
         if self.ledger is not None:
             self.ledger.used(inputs)
-        for t in flat_tensors(out):
-            if storage_key(t) not in inputs:
-                self._track(t)
+        for t, key in zip(outs, keys):
+            if key not in inputs:
+                self._track(t, key)
         return out
 
     def __exit__(self, *exc) -> Any:
         result = super().__exit__(*exc)
         # Storages that outlive the mode keep counting only until the mode is gone.
-        for fin in self._finalizers:
-            fin.detach()
-        self._finalizers.clear()
+        self._finalizers.clear()  # a dropped weak reference calls nothing
         return result
 
 

@@ -151,16 +151,25 @@ class WrittenStateWatch:
 
     def before(self, i: int, block: nn.Module) -> None:
         modules = slot_modules([block])
+        slots = state_slots(modules)  # (reads module tables only: no op runs)
+        if not slots:  # nothing to copy: the modes need not be left
+            self._open[i] = (block, modules, {})
+            return
         with _disable_current_modes(), torch.no_grad():
-            self._open[i] = (block, modules, fingerprint(state_slots(modules)))
+            self._open[i] = (block, modules, fingerprint(slots))
 
     def after(self, i: int) -> None:
         if i not in self._open:
             return
         block, modules, before = self._open.pop(i)
-        with _disable_current_modes(), torch.no_grad():
+        if before:
+            with _disable_current_modes(), torch.no_grad():
+                written = written_slots(before, modules)
+        else:  # no slot to compare (no op runs): only slots the forward created
             written = written_slots(before, modules)
-        paths = {id(m): p for p, m in block.named_modules()}
         self.bytes[i] = max(self.bytes[i], slot_bytes(written))
+        if not written:
+            return
+        paths = {id(m): p for p, m in block.named_modules()}
         found = (f"{paths[id(s.module)]}.{s.name}".lstrip(".") for s in written)
         self.names[i] = tuple(sorted({*self.names[i], *found}))
