@@ -469,11 +469,12 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds of timing in both parts (default 3 and 4, quick 2)")
     parser.add_argument("--case", choices=("padded", "new-shapes"), default="padded",
                         help="new-shapes: a multi-scale CNN and lengths that keep growing (benchmarks/shape_cases.py)")
+    parser.add_argument("--runs", type=int, default=3, help="new-shapes: fresh runs of each case, one row each")
     args = parser.parse_args(argv)
     if args.case == "new-shapes":
         from shape_cases import main as new_shapes
 
-        new_shapes()
+        new_shapes(args.runs)
         return
     s = QUICK if args.quick else FULL
     if args.rounds:

@@ -9,7 +9,7 @@ rates (`meta["rates"]`) passed through. Plain data, no torch.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lightning_ckpt.costs.block_costs import BlockCost, OpCost, StepCost
 
@@ -97,6 +97,8 @@ class Profile:
 
     probes: tuple[StepCost, StepCost]
     check: StepCost | None = None
+    # `at`'s answers, by batch size and step fields: a fit over shapes asks each profile the same again
+    _at: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         a, b = self.probes
@@ -124,7 +126,22 @@ class Profile:
         return tuple(b.name for b in self.probes[0].blocks)
 
     def at(self, batch_size: int, **step_fields) -> StepCost:
-        """The step cost predicted at `batch_size` (static fields passed through)."""
+        """The step cost predicted at `batch_size` (static fields passed through); the same (immutable)
+        object when asked again."""
+        try:
+            key = (batch_size, tuple(sorted(step_fields.items())))
+            hash(key)
+        except TypeError:  # a field that is not hashable: computed each time
+            return self._at_uncached(batch_size, **step_fields)
+        cache = self.__dict__.get("_at")
+        if cache is None:  # an instance unpickled from before the cache existed
+            object.__setattr__(self, "_at", cache := {})
+        found = cache.get(key)
+        if found is None:
+            found = cache[key] = self._at_uncached(batch_size, **step_fields)
+        return found
+
+    def _at_uncached(self, batch_size: int, **step_fields) -> StepCost:
         p1, p2 = self.probes
         if self.one_size:
             if batch_size != p1.batch_size:
