@@ -15,7 +15,6 @@ attributes that change, and tensors kept on modules (alive past their block, so 
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import random
 from collections.abc import Callable
@@ -137,21 +136,16 @@ _STRATEGY_ATTRIBUTES = frozenset({"applied_pre_backward_ref_cnt", "pre_bwd_fn", 
 _NOT_MODEL_STATE = _MODULE_INTERNALS | _STRATEGY_ATTRIBUTES
 
 
-def _watched_state(module: nn.Module) -> list[tuple[str, bool, Any]]:
-    """What the model itself keeps on `module` (not torch's, not a strategy's) that a forward's write is
-    reported for, as (key, plain, value): plain values by value, lists and dicts by length (`_attribute`;
-    tensors are left out, `PythonStateWatch` reports none)."""
-    table = vars(module)
-    out = []
-    for key in table.keys() - _NOT_MODEL_STATE:  # (a set difference: the order is not needed)
-        if key.startswith(_STRATEGY_PREFIXES):
+def _model_state(module: nn.Module) -> dict[str, tuple]:
+    """`_attributes` of what the model itself keeps on `module` (not torch's, not a strategy's)."""
+    attrs: dict[str, tuple] = {}
+    for key, value in vars(module).items():  # (`_attributes`, with the other keys skipped first)
+        if key in _NOT_MODEL_STATE or key.startswith(_STRATEGY_PREFIXES):
             continue
-        value = table[key]
-        if _plain(value):
-            out.append((key, True, value))
-        elif isinstance(value, (list, dict)):
-            out.append((key, False, len(value)))
-    return out
+        found = _attribute(value)
+        if found is not None:
+            attrs[key] = found
+    return attrs
 
 
 def _global_draws() -> tuple[Any, Any]:
@@ -166,20 +160,6 @@ def _global_draws() -> tuple[Any, Any]:
     return random.getstate(), np_state
 
 
-def _mt19937_words() -> tuple[Any, bytes] | None:
-    """NumPy's global bit generator and its MT19937 words and position, read in place (`get_state`
-    copies them word by word, ~30 us); None without NumPy or with another bit generator."""
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover
-        return None
-    gen = getattr(np.random.mtrand._rand, "_bit_generator", None)
-    if not isinstance(gen, np.random.MT19937):
-        return None
-    # mt19937_state: uint32_t key[624]; int pos
-    return gen, ctypes.string_at(gen.ctypes.state_address, 624 * 4 + ctypes.sizeof(ctypes.c_int))
-
-
 class PythonStateWatch:
     """Python state each block's forward writes, which a recompute cannot replay: a number, string or
     flag attribute that changes (it may decide a branch), a list or dict that grows or shrinks (an MoE
@@ -191,50 +171,30 @@ class PythonStateWatch:
     def __init__(self, n_blocks: int) -> None:
         self.reasons: list[set[str]] = [set() for _ in range(n_blocks)]
         self._open: dict[int, tuple] = {}
-        self._np_known: tuple[Any, bytes, Any] | None = None  # (generator, words, state) with no cached normal
-
-    def _draws(self) -> tuple[Any, Any]:
-        """`_global_draws()`; NumPy's state read in place when its words and position are those of the last
-        state read, which held no cached normal: every draw then moves the position (a normal drawn from
-        the cache, which moves nothing else, needs one cached, and caching one draws a pair)."""
-        words = _mt19937_words()
-        known = self._np_known
-        if words is not None and known is not None and words[0] is known[0] and words[1] == known[1]:
-            return random.getstate(), known[2]
-        py_state, np_state = _global_draws()
-        self._np_known = (*words, np_state) if words is not None and np_state[3] == 0 else None
-        return py_state, np_state
 
     def before(self, i: int, block: nn.Module) -> None:
-        attrs = [(path, m, _watched_state(m)) for path, m in block.named_modules()]
-        self._open[i] = (attrs, self._draws())
+        attrs = [(path, m, _model_state(m)) for path, m in block.named_modules()]
+        self._open[i] = (attrs, _global_draws())
 
     def after(self, i: int) -> None:
         if i not in self._open:
             return
         attrs, (py_rng, np_rng) = self._open.pop(i)
         found = self.reasons[i]
-        for path, module, watched in attrs:
-            table = vars(module)
-            for key, plain, old in watched:
-                new = table.get(key, _ABSENT)
-                if plain:
-                    if _plain(new) and old != new:
-                        found.add(f"writes {_where(path)}{key} ({old!r} -> {new!r})")
-                elif isinstance(new, (list, dict)) and old != len(new):
-                    found.add(f"{'adds' if len(new) > old else 'removes'} items of {_where(path)}{key} ({old} -> {len(new)})")
-        py_now, np_now = self._draws()
+        for path, module, old_attrs in attrs:
+            where = f"self.{path}." if path else "self."
+            now = _model_state(module)
+            for key, (kind, old) in old_attrs.items():
+                new_kind, new = now.get(key, (None, None))
+                if kind == "plain" and new_kind == "plain" and old != new:
+                    found.add(f"writes {where}{key} ({old!r} -> {new!r})")
+                elif kind == "container" and new_kind == "container" and old != new:
+                    found.add(f"{'adds' if new > old else 'removes'} items of {where}{key} ({old} -> {new})")
+        py_now, np_now = _global_draws()
         if py_now != py_rng:
             found.add("draws from Python's random")
         if np_now != np_rng:
             found.add("draws from numpy.random")
-
-
-_ABSENT = object()
-
-
-def _where(path: str) -> str:
-    return f"self.{path}." if path else "self."
 
 
 def live_bytes_per_step(step: Callable[[int], Any], n_steps: int) -> tuple[int, ...]:
