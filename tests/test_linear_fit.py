@@ -146,3 +146,22 @@ def test_a_profile_of_one_sample_costs_batch_size_one_only_and_survives_a_round_
         profile.at(2)
     with pytest.raises(ValueError, match=r"a profile needs probes at two different batch sizes"):
         Profile(probes=(one, _step(1, _ops(2))))
+
+
+def test_answers_are_kept_per_batch_size_and_step_fields_and_bounded():
+    """`at` gives the same object when asked again, equal to a fresh profile's answer; other step fields are
+    another answer; past `AT_KEPT` batch sizes the oldest answers are dropped (and computed again when asked)."""
+    from lightning_ckpt.costs.linear_fit import AT_KEPT
+
+    profile = Profile((_step(1, _ops(1)), _step(2, _ops(2))))
+    first = profile.at(8, static_bytes=5)
+    assert profile.at(8, static_bytes=5) is first
+    assert first == Profile((_step(1, _ops(1)), _step(2, _ops(2)))).at(8, static_bytes=5)
+    other = profile.at(8, static_bytes=6)
+    assert other is not first and other.static_bytes == 6 and first.static_bytes == 5
+    for b in range(10, 10 + AT_KEPT):
+        assert profile.at(b).blocks[0].saved_bytes == 100 * b
+    assert len(profile._at) == AT_KEPT
+    again = profile.at(8, static_bytes=5)
+    assert again is not first and again == first
+    assert profile == Profile((_step(1, _ops(1)), _step(2, _ops(2))))  # the kept answers are not part of equality

@@ -58,6 +58,7 @@ def _line(x1: float, y1: float, x2: float, y2: float, x: float) -> float:
 
 
 _OP_LINEAR = ("keep_bytes", "flops", "mem_bytes", "rng_bytes")
+AT_KEPT = 32  # `Profile.at` answers kept per profile, the oldest dropped first
 
 
 def _fit_ops(ops1: tuple[OpCost, ...], ops2: tuple[OpCost, ...], x1: int, x2: int, x: int) -> tuple[OpCost, ...]:
@@ -138,6 +139,8 @@ class Profile:
             object.__setattr__(self, "_at", cache := {})
         found = cache.get(key)
         if found is None:
+            if len(cache) >= AT_KEPT:  # bounded: a search over batch sizes asks many once each
+                del cache[next(iter(cache))]
             found = cache[key] = self._at_uncached(batch_size, **step_fields)
         return found
 
