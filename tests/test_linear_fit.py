@@ -165,3 +165,27 @@ def test_answers_are_kept_per_batch_size_and_step_fields_and_bounded():
     again = profile.at(8, static_bytes=5)
     assert again is not first and again == first
     assert profile == Profile((_step(1, _ops(1)), _step(2, _ops(2))))  # the kept answers are not part of equality
+
+
+def test_a_write_seen_in_any_probe_is_the_blocks_at_every_batch_size():
+    """The Python state a block writes (`unreplayable`) is not on a line: a write seen in one probe only (a
+    forward that writes at larger batches) keeps the block at every batch size, as do those of the check."""
+    def step(batch: int, writes: tuple[str, ...]) -> StepCost:
+        return StepCost(blocks=(BlockCost("b0", saved_bytes=100 * batch, input_bytes=10 * batch, unreplayable=writes),),
+                        batch_size=batch)
+
+    profile = Profile((step(1, ()), step(2, ("writes self.n (0 -> 1)",))), check=step(4, ("draws from Python's random",)))
+    for b in (1, 2, 8):
+        assert profile.at(b).blocks[0].unreplayable == ("writes self.n (0 -> 1)", "draws from Python's random")
+    assert Profile((step(1, ()), step(2, ()))).at(8).blocks[0].unreplayable == ()
+
+
+def test_a_combination_of_costs_keeps_every_write_any_of_them_saw():
+    from lightning_ckpt.planning.cost_combination import combine_costs
+
+    def cost(writes: tuple[str, ...], state: int) -> StepCost:
+        block = BlockCost("b0", saved_bytes=100, input_bytes=10, unreplayable=writes, written_state_bytes=state)
+        return StepCost(blocks=(block,), batch_size=2)
+
+    mixed = combine_costs([cost((), 8), cost(("adds items of self.aux (0 -> 1)",), 16)], [0.5, 0.5]).blocks[0]
+    assert mixed.unreplayable == ("adds items of self.aux (0 -> 1)",) and mixed.written_state_bytes == 16

@@ -326,3 +326,32 @@ def test_what_a_strategys_hooks_keep_on_a_module_is_not_the_models_state():
     block.calls += 1
     watch.after(0)
     assert watch.reasons[0] == {"writes self.calls (0 -> 1)"}
+
+
+class WritesAtLargerBatches(Block):
+    """Writes a counter only for batches of more than two samples: the smaller probe does not see it."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__(hidden)
+        self.large_batches, self.aux_losses = 0, []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 2:
+            self.large_batches += 1
+        return super().forward(x)
+
+
+def test_a_write_only_the_larger_probe_sees_keeps_the_block():
+    """Probes of 1 and 2 samples, check of 4: only the check sees the write. The block is kept at the batch
+    size planned (8) even where every other block is checkpointed, and the plan says why."""
+    model = Net("branch")
+    model.blocks[STATEFUL] = WritesAtLargerBatches(4 * D)
+    blocks = list(model.blocks)
+    profile = profile_model(model, blocks, _step_fn(model), _batches(1)[0], probe_batch_sizes=(1, 2), check_batch_size=4,
+                            timing=False)
+    assert profile.probes[0].blocks[STATEFUL].unreplayable == ()
+    cost = cost_at(profile, BATCH, static_memory(model, []))
+    assert cost.blocks[STATEFUL].unreplayable == ("writes self.large_batches (0 -> 1)",)
+    plan = make_plan(cost, "full")
+    assert STATEFUL not in plan.checkpointed and len(plan.checkpointed) == N_BLOCKS - 1
+    assert "large_batches" in str(plan)

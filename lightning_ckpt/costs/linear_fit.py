@@ -53,6 +53,15 @@ _CHECKED_STEP = (*_STEP_LINEAR, "post_forward_bytes")
 _SIGNED_TIMES = ("keep_saved_ms", "keep_draws_saved_ms")
 
 
+def held_writes(blocks) -> tuple[str, ...]:
+    """The Python state writes (`BlockCost.unreplayable`) of one block measured several times, each once: those
+    of the first measurement in their order, then any the others add."""
+    out: list[str] = []
+    for b in blocks:
+        out.extend(w for w in b.unreplayable if w not in out)
+    return tuple(out)
+
+
 def _line(x1: float, y1: float, x2: float, y2: float, x: float) -> float:
     return y1 + (y2 - y1) * (x - x1) / (x2 - x1)
 
@@ -175,6 +184,9 @@ class Profile:
             for tail, whole in _TAILS:
                 kw[tail] = min(kw[tail], kw[whole])
             kw["chains_from_previous"] = b1.chains_from_previous and b2.chains_from_previous
+            # a write seen in any pass is the block's (either probe, the check): kept, never checkpointed
+            kw["unreplayable"] = held_writes(b for b in (b1, b2, b3) if b is not None)
+            kw["written_state_bytes"] = max(b1.written_state_bytes, b2.written_state_bytes)
             for f in _SIGNED_TIMES:  # a saving may be negative (keeping lost time): not clamped at 0
                 v1, v2 = getattr(b1, f), getattr(b2, f)
                 kw[f] = None if v1 is None or v2 is None else _line(x1, v1, x2, v2, batch_size)

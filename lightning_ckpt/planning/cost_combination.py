@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from lightning_ckpt.costs.block_costs import BlockCost, OpCost, StepCost
-from lightning_ckpt.costs.linear_fit import _BLOCK_LINEAR, _SIGNED_TIMES, _STEP_LINEAR, _TAILS
+from lightning_ckpt.costs.linear_fit import _BLOCK_LINEAR, _SIGNED_TIMES, _STEP_LINEAR, _TAILS, held_writes
 
 _OP_FIELDS = ("keep_bytes", "flops", "mem_bytes", "rng_bytes")
 _INT_STEP = (*_STEP_LINEAR, "post_forward_bytes")
@@ -48,6 +48,8 @@ class CostCombination:
             blocks = [c.blocks[i] for c in costs]
             base = {f.name: getattr(blocks[0], f.name) for f in dataclasses.fields(blocks[0])}
             base["chains_from_previous"] = all(b.chains_from_previous for b in blocks)
+            base["unreplayable"] = held_writes(blocks)  # a write seen at any shape holds at every shape
+            base["written_state_bytes"] = max(b.written_state_bytes for b in blocks)
             at = len(counts)
             for f in _BLOCK_LINEAR:
                 add([getattr(b, f) for b in blocks], None if f == "fwd_ms" else counts)
