@@ -21,7 +21,6 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_shape_family import MultiScaleCNN, TinyLM, _budget, _cnn_loss, _lm_loss  # noqa: E402
