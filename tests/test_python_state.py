@@ -355,3 +355,15 @@ def test_a_write_only_the_larger_probe_sees_keeps_the_block():
     plan = make_plan(cost, "full")
     assert STATEFUL not in plan.checkpointed and len(plan.checkpointed) == N_BLOCKS - 1
     assert "large_batches" in str(plan)
+
+
+def test_the_refusal_names_a_write_only_the_larger_probe_sees():
+    """A budget that the kept block makes too small for the batch: the error names the write the check slice saw."""
+    model = Net("branch", hidden=32 * D, stateful_hidden=32 * D)
+    model.blocks[STATEFUL] = WritesAtLargerBatches(32 * D)
+    with pytest.raises(InfeasibleBudgetError, match=r"block 2 'blocks\.2' \(writes self\.large_batches \(0 -> 1\)\).*"
+                       r"allow_python_state=True"):
+        auto_checkpoint(
+            model, _full_peak_without_the_hazard("branch"), example_batch=_batches(1)[0], step_fn=_step_fn(model),
+            blocks="blocks", cost_metric="flops", verbose=False, probe_batch_sizes=(1, 2), check_batch_size=4,
+        )

@@ -400,6 +400,10 @@ class CheckpointEngine:
         budget = self._profile_budget(batch, True)
         return budget.budget_bytes - budget.resident_bytes - batch_bytes(batch)
 
+    def _held_note(self) -> str:
+        """`python_state_note` of the blocks kept for the Python state they write, seen in any pass of the profile."""
+        return python_state_note(self.profile.at(self.profile.probes[-1].batch_size))
+
     def _plan_shape(self, cost_of: Callable[..., StepCost], shape: BatchShape) -> Plan | None:
         """Rank 0's plan at `shape` from `cost_of` (None on the other ranks, which take rank 0's)."""
         if self.driver.rank != 0:
@@ -413,9 +417,9 @@ class CheckpointEngine:
             try:
                 plan, cost = plan_for_max(costs, self._static, request, multiple)
             except InfeasibleBudgetError as err:
-                if "allow_python_state" in str(err) or not python_state_note(self.profile.probes[0]):
+                if "allow_python_state" in str(err) or not self._held_note():
                     raise
-                raise InfeasibleBudgetError(f"{err}{python_state_note(self.profile.probes[0])}") from None
+                raise InfeasibleBudgetError(f"{err}{self._held_note()}") from None
             self.driver.info(
                 f"lightning-ckpt: target_batch_size='max' -> {plan.batch_size} (a multiple of {multiple}) "
                 f"at the shape of the profiled batch ({shape.describe()}); batches of other shapes are planned "
@@ -425,7 +429,7 @@ class CheckpointEngine:
             try:
                 plan, cost = plan_for_target(costs, self._static, request, shape.batch_size)
             except InfeasibleBudgetError as err:
-                note = "" if "allow_python_state" in str(err) else python_state_note(self.profile.probes[0])
+                note = "" if "allow_python_state" in str(err) else self._held_note()
                 longest = self.longest_length(shape) if shape.batch_size == 1 else None
                 if longest is not None:  # one sequence: the length that fits says more than a batch size
                     note += (f" At batch 1 the longest sequence (or packed row) that fits is {longest} tokens; "
