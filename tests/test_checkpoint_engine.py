@@ -82,6 +82,27 @@ def test_a_shape_is_profiled_and_planned_once_and_switched_when_it_changes():
     assert _hooks(driver.model) == 0 and not engine.applied
 
 
+def test_a_shape_costed_from_the_fit_keeps_the_applied_regions_and_a_failed_plan_takes_them_off():
+    engine, driver = _engine()
+    for n in (12, 24, 16):  # profiled (24 with a prefix): lengths between are then costed from the fit
+        engine.step(tokens_batch(8, n))
+    profiled, applied = len(driver.profiled), len(driver.applied)
+    decision = engine.step(tokens_batch(8, 20))
+    assert decision is not None and decision.new and decision.source.startswith("fitted")
+    assert len(driver.profiled) == profiled  # nothing profiled: the plan in place was never taken off,
+    assert len(driver.applied) == applied and engine.applied  # and `full` at 16 has its regions: not applied again
+    assert _hooks(driver.model) > 0
+
+    def refuse(cost_of, shape):
+        raise ValueError(f"no plan at {shape.describe()}")
+
+    engine._shapes.plan_fn = refuse
+    with pytest.raises(ValueError, match="no plan at"):
+        engine.step(tokens_batch(8, 22))
+    assert _hooks(driver.model) == 0 and not engine.applied  # the blocks run as they were
+    engine.close()
+
+
 @pytest.mark.parametrize("metric", ["flops", "ms"])  # (time: as flops; this driver measures no rates)
 def test_blocks_are_timed_only_for_the_metric_that_reads_their_times(metric):
     engine, driver = _engine(metric=metric)

@@ -296,8 +296,8 @@ class CheckpointEngine:
         hit = self._shapes.cached(shape)
         if hit is not None:
             return dataclasses.replace(hit, new=False)
-        self._batch_idx = batch_idx
-        self.remove()  # profiling runs the model as it is without a plan
+        self._batch_idx = batch_idx  # profiling takes the applied plan off first (`_profile_shape`): a shape costed
+        # from a fit keeps it, and when its plan has the same regions it is not applied again
 
         def rank_zero_static() -> StaticMemory:  # every rank checks a resumed plan alike: against rank 0's
             if self.driver.rank == 0 and self._static is None:
@@ -315,7 +315,11 @@ class CheckpointEngine:
                 return resumed.plan
             return self._shapes.plan_for(batch, shape).plan
 
-        plan = plan_on_rank_zero(resumed_or_planned, self.driver.broadcast, self.driver.rank)
+        try:
+            plan = plan_on_rank_zero(resumed_or_planned, self.driver.broadcast, self.driver.rank)
+        except BaseException:
+            self.remove()  # no plan for this shape: the blocks run as they were
+            raise
         return self._shapes.settle(shape, plan)
 
     def _plan_largest(self, batch: Any, shape: BatchShape, shapes: list[BatchShape], batch_idx: int) -> ShapeDecision:
@@ -345,6 +349,7 @@ class CheckpointEngine:
         """Profile the blocks on slices of `batch` (`own`: the batch of the step about to run; else a
         prefix of it at a shorter length)."""
         s = self.settings
+        self.remove()  # profiling runs the model as it is without a plan
         refuse_marked(self.blocks, self.block_names, "profile the blocks")  # another plan runs on them
         try:
             profile = self.driver.profile(

@@ -75,7 +75,11 @@ class BatchShape:
 def shape_of(batch: Any) -> BatchShape:
     """The batch's shape (cheap: sizes only)."""
     tensors = list(tensors_in(batch))
-    return BatchShape(batch_size_of(batch, tensors), tuple(tuple(t.shape) for t in tensors))
+    shapes = tuple(tuple(t.shape) for t in tensors)
+    firsts = {s[0] for s in shapes if s}
+    if len(firsts) == 1:  # every tensor with a dimension agrees (the common batch): no count needed
+        return BatchShape(firsts.pop(), shapes)
+    return BatchShape(batch_size_of(batch, tensors), shapes)
 
 
 def varying_positions(shapes: Sequence[BatchShape]) -> tuple[Position, ...]:
