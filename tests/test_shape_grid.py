@@ -3,6 +3,7 @@ that passes, costed inside the profiled sizes and a little past them with the ch
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -92,3 +93,53 @@ def test_image_height_and_width_are_separate_axes_once_one_batch_is_not_square_a
     assert crop_points((40, 56), (8, 8)) == [(24, 56), (40, 32), (24, 32)]
     part = crop(batches[1], axes, (24, 32))
     assert [tuple(t.shape) for t in part] == [(4, 3, 24, 32), (4, 24, 32)]
+
+
+def test_a_point_a_little_past_is_profiled_grown_on_every_axis_and_a_far_one_as_it_is():
+    from lightning_ckpt.planning.shape_grid import GROW, grown_point
+
+    assert grown_point((88, 40), (64, 64), (8, 8)) == (88, 88)  # 1.375x on the height: the width grown as far
+    assert grown_point((84, 40), (64, 64), (4, 8)) == (84, 88)  # 64 * 1.3125 = 84, rounded up to 88 on the width
+    assert grown_point((70, 100), (64, 80), (1, 1)) == (80, 100)  # 1.25x: 64 -> 80
+    far = (int(64 * GROW) + 8, 40)
+    assert grown_point(far, (64, 64), (8, 8)) == far  # too far past to guess the next sizes from
+
+
+def test_a_quantity_measured_at_the_points_is_predicted_by_the_model_s_fit():
+    grid = _grid(CROPS)
+    values = [1000 + 3 * p[0] * p[1] for p, _ in grid.points]  # affine in the area, as the pass bytes of a CNN
+    assert grid.predicted(values, (88, 96), "area") == pytest.approx(1000 + 3 * 88 * 96)
+    curved = [1000 + 3 * p[0] * p[1] + 50 * p[0] for p, _ in grid.points]
+    assert grid.predicted(curved, (88, 96), "bilinear") == pytest.approx(1000 + 3 * 88 * 96 + 50 * 88)
+
+
+def test_crop_to_larger_sizes_repeats_the_batch_s_own_entries():
+    x = torch.arange(2 * 3 * 5, dtype=torch.float32).reshape(2, 3, 5)
+    mask = torch.ones(2, 5, dtype=torch.long)
+    batch = (x, mask)
+    axes = (((0, 1),), ((0, 2), (1, 1)))  # x's rows; x's columns with the mask's
+    grown = crop(batch, axes, (7, 12))
+    assert [tuple(t.shape) for t in grown] == [(2, 7, 12), (2, 12)]
+    assert torch.equal(grown[0], x.repeat(1, 3, 3)[:, :7, :12]) and torch.equal(grown[1], torch.ones(2, 12, dtype=torch.long))
+    assert grown[0].untyped_storage().nbytes() == grown[0].numel() * 4  # owns exactly its entries
+    mixed = crop(batch, axes, (2, 9))  # cut on one axis, grown on the other
+    assert torch.equal(mixed[0], x.repeat(1, 1, 2)[:, :2, :9])
+
+
+def test_a_transient_off_the_model_is_held_in_reserve_without_failing_the_check():
+    def with_floor(points):  # the backward holds the larger of a fixed gradient and one in the pixels
+        def step(batch, p):
+            s = _step(batch, p, lambda q: 48 * q[0] * q[1])
+            blocks = tuple(dataclasses.replace(b, bwd_transient_bytes=max(10_000, batch * 4 * p[0] * p[1])) for b in s.blocks)
+            return dataclasses.replace(s, blocks=blocks)
+
+        return GridProfile(tuple((p, Profile(probes=(step(1, p), step(2, p)))) for p in points))
+
+    grid = with_floor(CROPS)
+    assert grid.model(8) == ("area", 0.0) and grid.reserve_error(8) > 0.0  # checked bytes exact, the transient not
+    assert _grid(CROPS).reserve_error(8) == 0.0
+    reach = grid.reach((56, 40), 8)
+    cost = grid.cost(reach, 8)
+    fitted = grid.at(8, (56, 40), "area").blocks[0].bwd_transient_bytes
+    miss = abs(fitted - 8 * 4 * 56 * 40)
+    assert miss > 0 and cost.pre_saved_bytes - 64 >= miss  # the reserve covers the miss at this point

@@ -8,6 +8,7 @@ import random
 import torch
 from test_shape_profile import _profile
 
+from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.planning.policies import make_plan
 from lightning_ckpt.engine.shape_plans import BUCKET, ShapePlans, same_regions, sample_key
 from lightning_ckpt.profiling.shapes import shape_of, slice_length, varying_positions
@@ -195,3 +196,50 @@ def test_one_sample_too_long_to_profile_whole_is_costed_past_its_prefixes_and_ke
     plans.plan_for(_batch(8, 128))  # each family holds one kind: lines, or profiles at batch size 1 only
     kinds = {key: {p.one_size for _, p, _ in f.profiles.values()} for key, f in plans.families.items()}
     assert kinds == {(2, 2, 1): {False}, (2, 2, 1, -1): {True}}
+
+
+class _Images:
+    """A profiler of image batches whose bytes are in proportion to the pixels, passes' bytes included."""
+
+    def __init__(self) -> None:
+        self.profiled: list[tuple[int, int, bool]] = []
+
+    def profile(self, batch, own):
+        from test_shape_grid import _step
+
+        h, w = batch[0].shape[2:]
+        self.profiled.append((h, w, own))
+
+        def probe(n):
+            return dataclasses.replace(_step(n, (h, w), lambda p: 48 * p[0] * p[1]), meta={"pass_bytes": 1000 + 400 * n * h * w})
+
+        return Profile(probes=(probe(2), probe(4)))
+
+    def plan(self, cost_of, shape):
+        return make_plan(cost_of(shape.batch_size), "none")
+
+
+def _images(h: int, w: int):
+    return torch.zeros(4, 3, h, w), torch.zeros(4, dtype=torch.long)
+
+
+def _grown_run(room: int | None, grow: bool) -> tuple[_Images, list[str]]:
+    rec = _Images()
+    plans = ShapePlans(rec.profile, rec.plan, room_fn=lambda batch: room)
+    plans.grow_corners = grow
+    sources = [plans.plan_for(_images(h, w)).source for h, w in ((32, 48), (16, 40))]  # a checked fit over 4 points
+    assert rec.profiled == [(32, 48, True), (16, 40, True), (8, 40, False), (16, 24, False)]
+    sources += [plans.plan_for(_images(h, w)).source for h, w in ((44, 24), (24, 64))]  # 1.375x past on each axis
+    return rec, sources
+
+
+def test_a_batch_a_little_past_a_checked_fit_is_profiled_grown_once_for_every_axis():
+    rec, sources = _grown_run(room=10**9, grow=True)
+    assert rec.profiled[4:] == [(44, 72, False)]  # the height's stretch on the width too: 66, rounded up to 8
+    assert sources[2].startswith("fitted within 5 profiled sizes at 44 x 24") and sources[3].startswith("fitted within")
+
+
+def test_a_grown_pass_predicted_over_the_room_or_several_ranks_profile_the_batch_itself():
+    room = int(1.1 * (1000 + 400 * 4 * 44 * 72)) - 1  # the grown pass's bytes and a little less than MARGIN
+    for rec, sources in (_grown_run(room=room, grow=True), _grown_run(room=10**9, grow=False)):
+        assert rec.profiled[4:] == [(44, 24, True), (24, 64, True)] and sources[2:] == ["profiled", "profiled"]

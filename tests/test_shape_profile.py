@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from lightning_ckpt.costs.block_costs import BlockCost, StepCost
 from lightning_ckpt.costs.linear_fit import Profile
-from lightning_ckpt.planning.shape_profile import FIT_TOLERANCE, ShapeProfile, fit_costs
+from lightning_ckpt.planning.shape_profile import FIT_TOLERANCE, ShapeProfile, checked_bytes, fit_costs
 
 
 def _step(batch: int, length: int, quad: float = 1.0, n_blocks: int = 3, extra=lambda s: 0.0) -> StepCost:
@@ -127,3 +127,24 @@ def test_property_the_fit_reproduces_any_quadratic_inside_the_range(quad, length
     got, want = sp.at(batch, x), _profile(x, quad=quad).at(batch)
     for g, w in zip(got.blocks, want.blocks):
         assert abs(g.saved_bytes - w.saved_bytes) <= 2 * batch + 1e-6 * w.saved_bytes
+
+
+def test_a_transient_that_is_no_polynomial_is_held_in_reserve_not_checked():
+    import dataclasses
+
+    from lightning_ckpt.engine.length_profiles import extrapolated
+
+    def floored(length: int) -> Profile:  # a backward scratch: the larger of a fixed buffer and one in the length
+        def step(batch: int) -> StepCost:
+            s = _step(batch, length)
+            blocks = tuple(dataclasses.replace(b, bwd_transient_bytes=max(40_000, batch * 600 * length)) for b in s.blocks)
+            return dataclasses.replace(s, blocks=blocks)
+
+        return Profile(probes=(step(1), step(2)))
+
+    sp = ShapeProfile(tuple((x, floored(x)) for x in (16, 32, 48, 64, 96)))
+    assert sp.fit_error(4) < 1e-6 and sp.reserve_error(4) > 0.001  # checked bytes follow the quadratic, the transient not
+    assert _shapes([16, 32, 48, 64, 96]).reserve_error(4) == sp.fit_error(4) == _shapes([16, 32, 48, 64, 96]).fit_error(4)
+    cost_of, _ = extrapolated(sp, 110, 4, 1.25)
+    share = max(sp.reserve_error(4), FIT_TOLERANCE) * (110 / 96) ** 2
+    assert cost_of(4).pre_saved_bytes - sp.at(4, 110).pre_saved_bytes >= share * sum(checked_bytes(sp.at(4, 110)))

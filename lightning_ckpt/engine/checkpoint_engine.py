@@ -296,6 +296,7 @@ class CheckpointEngine:
         hit = self._shapes.cached(shape)
         if hit is not None:
             return dataclasses.replace(hit, new=False)
+        self._shapes.grow_corners = len(shapes) == 1  # one process: see `ShapePlans.grow_corners`
         self._batch_idx = batch_idx  # profiling takes the applied plan off first (`_profile_shape`): a shape costed
         # from a fit keeps it, and when its plan has the same regions it is not applied again
 

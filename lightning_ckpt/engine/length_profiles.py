@@ -92,8 +92,9 @@ def extrapolated(
     err = fitted.fit_error(batch_size)
     if err is None or err > FIT_TOLERANCE:
         return None
-    # [reserve] the checked miss (at least the tolerance), grown with the square of the distance past the data
-    share = max(err, FIT_TOLERANCE) * (length / fitted.lengths[-1]) ** 2
+    # [reserve] the checked miss of every size held, transients included (at least the tolerance), grown with the
+    # square of the distance past the data
+    share = max(err, fitted.reserve_error(batch_size) or 0.0, FIT_TOLERANCE) * (length / fitted.lengths[-1]) ** 2
 
     def cost_of(batch_size: int, **step_fields) -> StepCost:
         cost = fitted.at(batch_size, length, **step_fields)

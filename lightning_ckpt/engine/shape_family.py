@@ -145,8 +145,9 @@ class ShapeFamily:
                 if fitted is not None and fitted.covers(x, shape.batch_size):
                     lengths = ", ".join(map(str, fitted.lengths))
                     err = fitted.fit_error(shape.batch_size) or 0.0
-                    source = f"fitted over lengths {lengths} (checked within {100 * err:.2f} %, held in reserve)"
-                    return functools.partial(_with_reserve, fitted, x, err), source
+                    held = fitted.reserve_error(shape.batch_size) or 0.0
+                    source = f"fitted over lengths {lengths} (checked within {100 * err:.2f} %, {100 * held:.2f} % held in reserve)"
+                    return functools.partial(_with_reserve, fitted, x, held), source
         if x is not None:  # past the longest profiled length: one sample far, larger batches a little
             one = shape.batch_size == 1
             for own_only in (False,) if one else (False, True):
@@ -184,8 +185,8 @@ def _grid_cost(grid: GridProfile, reach: Reach, batch_size: int, **step_fields) 
 
 
 def _with_reserve(fitted: ShapeProfile, length: int, err: float, batch_size: int, **step_fields) -> StepCost:
-    """The fitted cost with the fit's checked miss (a share of the checked bytes) held as resident bytes
-    before the chain, so that a plan made from it fits even when the fit is off by that much."""
+    """The fitted cost with the fit's checked miss (`ShapeProfile.reserve_error`, a share of the checked bytes)
+    held as resident bytes before the chain, so that a plan made from it fits even when the fit is off by that much."""
     cost = fitted.at(batch_size, length, **step_fields)
     reserve = int(math.ceil(err * sum(checked_bytes(cost))))
     return dataclasses.replace(cost, pre_saved_bytes=cost.pre_saved_bytes + reserve)

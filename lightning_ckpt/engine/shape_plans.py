@@ -10,7 +10,10 @@ plans it once:
    profiled sizes or a little past them, with the checked miss held in reserve;
 3. a profiled shape at most `BUCKET` larger at every varying size: that shape's profile;
 4. otherwise the batch itself is profiled on slices of its own samples and, until the fit passes its
-   check, on prefixes (one length) or crops (several sizes) of it, so that later shapes are fitted.
+   check, on prefixes (one length) or crops (several sizes) of it, so that later shapes are fitted; a batch a
+   little past the sizes of a checked fit over several sizes is grown instead (its own entries repeated) to
+   the point that reaches as far on every axis (`planning.shape_grid.grown_point`), when that pass is
+   predicted to fit the budget, and profiled there, once for the shapes out as far on the other axes.
 
 Plans are kept for the most recently used shapes (`engine.plan_cache`).
 Profiling and planning are injected (`profile_fn`, `plan_fn`): the engine is plain Python
@@ -42,7 +45,8 @@ from lightning_ckpt.engine.shape_family import (  # noqa: F401 - BUCKET and samp
     layout_key,
     sample_key,
 )
-from lightning_ckpt.profiling.profile_budget import SampleTooLong
+from lightning_ckpt.planning.shape_grid import grown_point
+from lightning_ckpt.profiling.profile_budget import MARGIN, SampleTooLong
 from lightning_ckpt.profiling.shapes import (
     BatchShape,
     crop,
@@ -80,6 +84,9 @@ class ShapePlans:
     ) -> None:
         self.profile_fn, self.plan_fn, self.slice_lengths = profile_fn, plan_fn, slice_lengths
         self.room_fn = room_fn  # (batch) -> the bytes a profiling pass may hold beside it (None: not known)
+        # whether a batch may be profiled grown (`_profile_corner`): one process only, as the prediction that
+        # decides it reads this process's bytes, and ranks that profile must all run the same passes
+        self.grow_corners = False
         self.families: dict[tuple[int, ...], ShapeFamily] = {}
         self.plans: PlanCache = PlanCache()  # (shape without its batch size, batch size) -> ShapeDecision, bounded
         self.slice_error: str | None = None  # why prefixes of batches stopped being profiled
@@ -178,6 +185,8 @@ class ShapePlans:
             family.tokens = family.tokens or sequence_positions(shape)
             if family.length(shape) is not None:
                 return self._profile_tokens(family, batch, shape)
+        if self.grow_corners and self.slice_lengths and self._profile_corner(family, batch, shape):
+            return ()
         family.profiles[sample_key(shape)] = (shape, self.profile_fn(batch, True), True)
         self.profile_runs += 1
         x = family.length(shape)
@@ -235,6 +244,35 @@ class ShapePlans:
                 return
             family.profiles[sample_key(part_shape)] = (part_shape, profile, False)
             self.profile_runs += 1
+
+    def _profile_corner(self, family: ShapeFamily, batch: Any, shape: BatchShape) -> bool:
+        """Profile `batch` grown to `grown_point` when its sizes lie a little past those of a fit over several
+        sizes that passes its check, and the pass there is predicted (from the passes of every profiled point,
+        `MARGIN` held back) to fit the room; -> whether the fit then costs `shape`. A grown batch the model
+        rejects ends growing and cropping alike; a fit that fails its check with the new point has the batch
+        profiled as it is after all."""
+        grid, point = family.grid(), family.point(shape)
+        chosen = None if grid is None or point is None else grid.model(shape.batch_size)
+        if chosen is None or self.room_fn is None:
+            return False
+        corner = grown_point(point, grid.scale, family.aligned())
+        largest = [max((c for c in (*p.probes, p.check) if c is not None), key=lambda c: c.batch_size) for _, p in grid.points]
+        if corner == tuple(point) or len({c.batch_size for c in largest}) != 1 or any("pass_bytes" not in c.meta for c in largest):
+            return False
+        predicted = grid.predicted([c.meta["pass_bytes"] for c in largest], corner, chosen[0])
+        room = self.room_fn(batch)
+        if room is None or predicted * (1 + MARGIN) > room:
+            return False
+        part = crop(batch, family.axes(), corner)
+        part_shape = shape_of(part)
+        try:
+            profile = self.profile_fn(part, False)
+        except Exception as err:  # noqa: BLE001 - a size the model rejects: each shape profiled from then on
+            self.slice_error, self.slice_lengths = f"{type(err).__name__}: {err}", False
+            return False
+        family.profiles[sample_key(part_shape)] = (part_shape, profile, False)
+        self.profile_runs += 1
+        return family.cost_of(shape) is not None
 
     def _profile_tokens(self, family: ShapeFamily, batch: Any, shape: BatchShape) -> tuple[int, ...]:
         """A batch of one sample profiled on prefixes of its sequence, shortest first, and whole when it is

@@ -8,8 +8,9 @@ others) misses by at most `FIT_TOLERANCE` of the checked bytes: linear in the pr
 convolutional stage holds bytes in proportion to its pixels), with its square (attention over flattened
 patches), bilinear, then a full quadratic. A point is costed inside the profiled sizes (sizes below the
 smallest profiled are raised to it: memory grows with every size, so that over-counts) and up to
-`EXTRAPOLATE` times past the largest on each axis, with the checked miss, grown with the square of that
-stretch, held in reserve. Plain data, no torch.
+`EXTRAPOLATE` times past the largest on each axis, with the checked miss of every size held (the blocks'
+transients included, `shape_profile.held_bytes`), grown with the square of that stretch, held in reserve. A point farther out is profiled: `grown_point` says where, so that the one profile
+reaches it and as far again on every other axis. Plain data, no torch.
 """
 
 from __future__ import annotations
@@ -24,13 +25,26 @@ import numpy as np
 from lightning_ckpt.costs.block_costs import StepCost
 from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.planning.cost_combination import CostCombination
-from lightning_ckpt.planning.shape_profile import FIT_TOLERANCE, checked_bytes
+from lightning_ckpt.planning.shape_profile import FIT_TOLERANCE, checked_bytes, stacked, worst_misses
 
 MODELS = ("area", "area and its square", "bilinear", "quadratic")
 CHECK_POINTS = 2  # points beyond a model's features: each held-out point is predicted from an over-determined fit
 EXTRAPOLATE = 1.25  # a point may be this many times the largest profiled size on each axis
 
+GROW = 1.5  # a point at most this far past the profiled sizes is profiled at `grown_point`; farther, at itself
+
 Point = tuple[int, ...]
+
+
+def grown_point(point: Sequence[int], scale: Sequence[int], aligned: Sequence[int]) -> Point:
+    """Where to profile for `point`, past the largest profiled sizes (`scale`) by a stretch of at most `GROW`:
+    every axis grown by that stretch (at least to `point`'s size, rounded up to the axis's alignment), so that
+    later points out as far on the other axes are reached too, not each profiled in turn; `point` itself when
+    it is farther out (the stretch is a guess at the sizes to come; beyond `GROW` it is not made)."""
+    stretch = max(n / s for n, s in zip(point, scale))
+    if stretch > GROW:
+        return tuple(point)
+    return tuple(max(n, -(-math.ceil(s * stretch) // a) * a) for n, s, a in zip(point, scale, aligned))
 
 
 def features(model: str, u: Sequence[float]) -> list[float]:
@@ -69,6 +83,7 @@ class GridProfile:
 
     points: tuple[tuple[Point, Profile], ...]
     _models: dict = field(default_factory=dict, compare=False, repr=False)  # batch size -> (model, error) or None
+    _reserves: dict = field(default_factory=dict, compare=False, repr=False)  # batch size -> the chosen model's reserve
     _costs: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -100,35 +115,46 @@ class GridProfile:
 
     def errors(self, batch_size: int) -> dict[str, float]:
         """The leave-one-out miss of every model that has enough points to be checked."""
-        values = np.array([checked_bytes(p.at(batch_size)) for _, p in self.points], dtype=float)
-        return {m: e for m in MODELS if (e := self._leave_one_out(m, values)) is not None}
+        values = stacked([p.at(batch_size) for _, p in self.points])
+        return {m: e[0] for m in MODELS if (e := self._leave_one_out(m, *values)) is not None}
+
+    def reserve_error(self, batch_size: int) -> float | None:
+        """The chosen model's worst leave-one-out miss of any size the memory model holds, transients
+        included (`shape_profile.held_bytes`), as a share of the checked bytes: what its costs hold in reserve."""
+        return None if self.model(batch_size) is None else self._reserves[batch_size]
 
     def _choose(self, batch_size: int) -> tuple[str, float] | None:
-        values = np.array([checked_bytes(p.at(batch_size)) for _, p in self.points], dtype=float)
+        values = stacked([p.at(batch_size) for _, p in self.points])
         for m in MODELS:
-            err = self._leave_one_out(m, values)
-            if err is not None and err <= FIT_TOLERANCE:
-                return m, err
+            found = self._leave_one_out(m, *values)
+            if found is not None and found[0] <= FIT_TOLERANCE:
+                self._reserves[batch_size] = found[1]
+                return m, found[0]
         return None
 
-    def _leave_one_out(self, model: str, values: np.ndarray) -> float | None:
-        """Worst miss of each point predicted by the model fitted to the others (None: too few points, or
-        points that cannot tell the model's features apart)."""
+    def _leave_one_out(self, model: str, values: np.ndarray, checked: int) -> tuple[float, float] | None:
+        """Worst miss of each point predicted by the model fitted to the others, of the first `checked`
+        quantities and of all (None: too few points, or points that cannot tell the model's features apart)."""
         f = self._matrix(model, [p for p, _ in self.points])
         n, m = f.shape
         if n < m + CHECK_POINTS:
             return None
-        worst = 0.0
+        worst, reserve = 0.0, 0.0
         for k in range(n):
             rest = np.arange(n) != k
             if np.linalg.matrix_rank(f[rest]) < m:
                 return None
             coef, *_ = np.linalg.lstsq(f[rest], values[rest], rcond=None)
-            predicted = np.maximum(0.0, np.rint(f[k] @ coef))
-            total = float(values[k].sum())
-            if total > 0:
-                worst = max(worst, float(np.max(np.abs(predicted - values[k]))) / total)
-        return worst
+            miss, every = worst_misses(f[k] @ coef, values[k], checked)
+            worst, reserve = max(worst, miss), max(reserve, every)
+        return worst, reserve
+
+    def predicted(self, values: Sequence[float], point: Sequence[int], model: str) -> float:
+        """One quantity measured at every profiled point (in the order of `points`), predicted at `point` by
+        the least-squares fit of `model` (a guess past the profiled sizes: an estimate, not a checked cost)."""
+        f = self._matrix(model, [p for p, _ in self.points])
+        coef, *_ = np.linalg.lstsq(f, np.asarray(values, dtype=float), rcond=None)
+        return float(self._matrix(model, [tuple(point)])[0] @ coef)
 
     def reach(self, point: Sequence[int], batch_size: int) -> Reach | None:
         """How the fit costs `point` at `batch_size`, or None: no model passes its check, or a size is more
@@ -141,8 +167,9 @@ class GridProfile:
         if stretch > EXTRAPOLATE:
             return None
         model, err = chosen
+        held = self._reserves[batch_size]  # at least `err`: the same points, more quantities
         # [reserve] inside: the checked miss; past the profiled sizes: at least the tolerance, grown with the stretch squared
-        share = err if stretch == 1.0 else max(err, FIT_TOLERANCE) * stretch**2
+        share = held if stretch == 1.0 else max(held, FIT_TOLERANCE) * stretch**2
         return Reach(raised, stretch, model, err, share)
 
     def at(self, batch_size: int, point: Sequence[int], model: str, **step_fields) -> StepCost:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lightning_ckpt.costs.block_costs import StepCost
-from lightning_ckpt.costs.linear_fit import _STEP_LINEAR, Profile
+from lightning_ckpt.costs.linear_fit import _CHECKED, _CHECKED_STEP, _STEP_LINEAR, Profile
 from lightning_ckpt.planning.cost_combination import CostCombination, combine_costs
 
 FIT_TOLERANCE = 0.01  # worst leave-one-out miss (share of the step's checked bytes) under which the fit is trusted
@@ -49,13 +49,39 @@ def checked_bytes(cost: StepCost) -> list[float]:
     return out + [float(getattr(cost, f)) for f in _STEP_LINEAR]
 
 
+def held_bytes(cost: StepCost) -> list[float]:
+    """Every size the memory model holds (`linear_fit._CHECKED`, as the check slice of a profile): the checked
+    bytes with the blocks' transients. A transient can be the larger of a fixed buffer (a weight's gradient)
+    and an activation, which no polynomial in the size follows: its miss is held in reserve, not checked
+    against the tolerance."""
+    out = [float(getattr(b, f) or 0) for b in cost.blocks for f in _CHECKED]
+    return out + [float(getattr(cost, f) or 0) for f in _CHECKED_STEP]
+
+
+def worst_misses(predicted: np.ndarray, measured: np.ndarray, checked: int) -> tuple[float, float]:
+    """(the largest miss of the first `checked` quantities, of all of them), each as a share of the sum of
+    the first `checked` measured ones (what the step's saved and boundary bytes are made of)."""
+    total = float(measured[:checked].sum())
+    if total <= 0:
+        return 0.0, 0.0
+    miss = np.abs(np.maximum(0.0, np.rint(predicted)) - measured)
+    return float(miss[:checked].max()) / total, float(miss.max()) / total
+
+
+def stacked(costs: Sequence[StepCost]) -> tuple[np.ndarray, int]:
+    """Per cost (rows), the checked quantities then the others the memory model holds; -> (rows, how many
+    are checked)."""
+    rows = [checked_bytes(c) + held_bytes(c) for c in costs]
+    return np.array(rows, dtype=float), len(checked_bytes(costs[0]))
+
+
 @dataclass(frozen=True)
 class ShapeProfile:
     """Profiles at several lengths of the varying dimension (ascending, distinct), all with the
     same blocks. With one length it is that length's profile; with more, `at` interpolates."""
 
     profiles: tuple[tuple[int, Profile], ...]
-    _errors: dict = field(default_factory=dict, compare=False, repr=False)  # fit_error by batch size
+    _errors: dict = field(default_factory=dict, compare=False, repr=False)  # batch size -> (fit_error, reserve_error)
     _fitted: dict = field(default_factory=dict, compare=False, repr=False)  # fitted costs already asked for
 
     def __post_init__(self) -> None:
@@ -113,24 +139,27 @@ class ShapeProfile:
             return None
         if batch_size not in self._errors:
             self._errors[batch_size] = self._leave_one_out(batch_size)
-        return self._errors[batch_size]
+        return self._errors[batch_size][0]
 
-    def _leave_one_out(self, batch_size: int) -> float:
+    def reserve_error(self, batch_size: int) -> float | None:
+        """The share of the checked bytes a cost from the fit holds in reserve: the worst leave-one-out miss of
+        any size the memory model holds, transients included (`held_bytes`), at least `fit_error`."""
+        if self.fit_error(batch_size) is None:
+            return None
+        return self._errors[batch_size][1]
+
+    def _leave_one_out(self, batch_size: int) -> tuple[float, float]:
         """Each profiled length predicted from the others, one least-squares solve per length over all
-        the checked quantities at once."""
-        costs = [p.at(batch_size) for _, p in self.profiles]
-        values = np.array([checked_bytes(c) for c in costs], dtype=float)  # lengths x quantities
+        the quantities at once -> (worst miss of the checked ones, of all)."""
+        values, checked = stacked([p.at(batch_size) for _, p in self.profiles])  # lengths x quantities
         xs = np.asarray(self.lengths, dtype=float) / max(self.lengths)
-        worst = 0.0
-        for k in range(len(costs)):
-            rest = np.arange(len(costs)) != k
+        worst, reserve = 0.0, 0.0
+        for k in range(len(xs)):
+            rest = np.arange(len(xs)) != k
             coef = np.polynomial.polynomial.polyfit(xs[rest], values[rest], min(2, int(rest.sum()) - 1))
-            predicted = np.maximum(0.0, np.rint(np.polynomial.polynomial.polyval(xs[k], coef)))
-            measured = values[k]
-            total = float(measured.sum())
-            if total > 0:
-                worst = max(worst, float(np.max(np.abs(predicted - measured))) / total)
-        return worst
+            miss, every = worst_misses(np.polynomial.polynomial.polyval(xs[k], coef), values[k], checked)
+            worst, reserve = max(worst, miss), max(reserve, every)
+        return worst, reserve
 
     def covers(self, length: int, batch_size: int, tolerance: float = FIT_TOLERANCE) -> bool:
         """Whether the fit may stand in for a profile at `length`: inside the profiled range, with a

@@ -214,8 +214,9 @@ def crop_points(point: Sequence[int], aligned: Sequence[int]) -> list[tuple[int,
 
 
 def crop(batch: Any, axes: Axes, point: Sequence[int]) -> Any:
-    """The batch with every position of each axis cut to its first `point[axis]` entries (copied, so that the
-    crop owns its memory); tensors without a varying position are passed on as they are."""
+    """The batch with every position of each axis cut to its first `point[axis]` entries, or, where the batch
+    has fewer, grown to them with its own entries repeated (real values: pixels, token ids, mask bits), copied
+    so that the result owns its memory; tensors without a varying position are passed on as they are."""
     by_tensor: dict[int, list[tuple[int, int]]] = {}
     for axis, n in zip(axes, point):
         for i, d in axis:
@@ -227,6 +228,8 @@ def crop(batch: Any, axes: Axes, point: Sequence[int]) -> Any:
         if not dims:
             return t
         for d, n in dims:
+            if n > t.shape[d] > 0:
+                t = t.repeat(*(-(-n // t.shape[d]) if k == d else 1 for k in range(t.dim())))
             t = t.narrow(d, 0, min(n, t.shape[d]))
         return t.clone()
 
