@@ -136,10 +136,11 @@ def test_a_transient_off_the_model_is_held_in_reserve_without_failing_the_check(
         return GridProfile(tuple((p, Profile(probes=(step(1, p), step(2, p)))) for p in points))
 
     grid = with_floor(CROPS)
-    assert grid.model(8) == ("area", 0.0) and grid.reserve_error(8) > 0.0  # checked bytes exact, the transient not
-    assert _grid(CROPS).reserve_error(8) == 0.0
+    assert grid.model(8) == ("area", 0.0) and grid.transient_miss_bytes(8) > 0  # checked bytes exact, the transient not
+    assert _grid(CROPS).transient_miss_bytes(8) == 0
     reach = grid.reach((56, 40), 8)
-    cost = grid.cost(reach, 8)
-    fitted = grid.at(8, (56, 40), "area").blocks[0].bwd_transient_bytes
-    miss = abs(fitted - 8 * 4 * 56 * 40)
-    assert miss > 0 and cost.pre_saved_bytes - 64 >= miss  # the reserve covers the miss at this point
+    fitted = grid.at(8, (56, 40), "area")
+    assert reach.transient_bytes == grid.transient_miss_bytes(8)  # inside: the checked miss as it is
+    assert grid.cost(reach, 8).pre_saved_bytes == fitted.pre_saved_bytes + reach.transient_bytes  # (no checked miss)
+    past = grid.reach((72, 96), 8)  # 1.2x past: the transient's miss grown with the stretch squared
+    assert past.transient_bytes == math.ceil(grid.transient_miss_bytes(8) * (96 / 80) ** 2)

@@ -22,6 +22,7 @@ from lightning_ckpt.planning.policies import InfeasibleBudgetError
 from lightning_ckpt.planning.shape_profile import FIT_TOLERANCE, MIN_FIT_LENGTHS, ShapeProfile, checked_bytes
 from lightning_ckpt.profiling.profile_budget import MARGIN, SampleTooLong, released
 from lightning_ckpt.profiling.shapes import BatchShape
+from lightning_ckpt.units import format_bytes
 
 FIRST_FRACTIONS = (0.25, 0.5, 0.75, 1.0)  # prefixes profiled first, shortest first: with the whole, a checked quadratic
 MORE_FRACTIONS = (0.375, 0.625, 0.875)  # and, when the whole does not fit, all of them that do
@@ -92,19 +93,21 @@ def extrapolated(
     err = fitted.fit_error(batch_size)
     if err is None or err > FIT_TOLERANCE:
         return None
-    # [reserve] the checked miss of every size held, transients included (at least the tolerance), grown with the
-    # square of the distance past the data
-    share = max(err, fitted.reserve_error(batch_size) or 0.0, FIT_TOLERANCE) * (length / fitted.lengths[-1]) ** 2
+    # [reserve] the checked miss (at least the tolerance) and the transients' (bytes), grown with the square of the
+    # distance past the data
+    growth = (length / fitted.lengths[-1]) ** 2
+    share = max(err, FIT_TOLERANCE) * growth
+    transient = int(math.ceil((fitted.transient_miss_bytes(batch_size) or 0) * growth))
 
     def cost_of(batch_size: int, **step_fields) -> StepCost:
         cost = fitted.at(batch_size, length, **step_fields)
-        reserve = int(math.ceil(share * sum(checked_bytes(cost))))
+        reserve = int(math.ceil(share * sum(checked_bytes(cost)))) + transient
         return dataclasses.replace(cost, pre_saved_bytes=cost.pre_saved_bytes + reserve)
 
     lengths = ", ".join(map(str, fitted.lengths))
     source = (
         f"extrapolated from lengths {lengths} at batch {batch_size} (checked within {100 * err:.2f} %, "
-        f"{100 * share:.2f} % held in reserve)"
+        f"{100 * share:.2f} % and {format_bytes(transient)} for the transients held in reserve)"
     )
     return cost_of, source
 

@@ -18,6 +18,7 @@ from lightning_ckpt.engine.length_profiles import EXTRAPOLATE, GROW, extrapolate
 from lightning_ckpt.planning.shape_grid import GridProfile, Reach
 from lightning_ckpt.planning.shape_profile import FIT_TOLERANCE, ShapeProfile, checked_bytes
 from lightning_ckpt.profiling.shapes import BatchShape, alignment, axes_of, length_of, point_of, varying_positions
+from lightning_ckpt.units import format_bytes
 
 BUCKET = 0.125  # a profiled shape up to this much larger in every varying size may stand in for a new one
 
@@ -145,9 +146,12 @@ class ShapeFamily:
                 if fitted is not None and fitted.covers(x, shape.batch_size):
                     lengths = ", ".join(map(str, fitted.lengths))
                     err = fitted.fit_error(shape.batch_size) or 0.0
-                    held = fitted.reserve_error(shape.batch_size) or 0.0
-                    source = f"fitted over lengths {lengths} (checked within {100 * err:.2f} %, {100 * held:.2f} % held in reserve)"
-                    return functools.partial(_with_reserve, fitted, x, held), source
+                    held = fitted.transient_miss_bytes(shape.batch_size) or 0
+                    source = (
+                        f"fitted over lengths {lengths} (checked within {100 * err:.2f} %, held in reserve with "
+                        f"{format_bytes(held)} for the transients)"
+                    )
+                    return functools.partial(_with_reserve, fitted, x, err, held), source
         if x is not None:  # past the longest profiled length: one sample far, larger batches a little
             one = shape.batch_size == 1
             for own_only in (False,) if one else (False, True):
@@ -161,7 +165,8 @@ class ShapeFamily:
             where = f"extrapolated {reach.stretch:.2f}x past" if reach.extrapolated else "fitted within"
             source = (
                 f"{where} {len(grid.points)} profiled sizes at {sizes} ({reach.model}; checked within "
-                f"{100 * reach.error:.2f} %, {100 * reach.reserve_share:.2f} % held in reserve)"
+                f"{100 * reach.error:.2f} %, {100 * reach.reserve_share:.2f} % and {format_bytes(reach.transient_bytes)} "
+                "for the transients held in reserve)"
             )
             return functools.partial(_grid_cost, grid, reach), source
         own_shapes = [s for s, _, own in self.profiles.values() if own]
@@ -184,11 +189,14 @@ def _grid_cost(grid: GridProfile, reach: Reach, batch_size: int, **step_fields) 
     return grid.cost(reach, batch_size, **step_fields)
 
 
-def _with_reserve(fitted: ShapeProfile, length: int, err: float, batch_size: int, **step_fields) -> StepCost:
-    """The fitted cost with the fit's checked miss (`ShapeProfile.reserve_error`, a share of the checked bytes)
-    held as resident bytes before the chain, so that a plan made from it fits even when the fit is off by that much."""
+def _with_reserve(
+    fitted: ShapeProfile, length: int, err: float, transient_bytes: int, batch_size: int, **step_fields
+) -> StepCost:
+    """The fitted cost with the fit's checked miss (a share of the checked bytes, and the transients' in bytes:
+    `ShapeProfile.transient_miss_bytes`) held as resident bytes before the chain, so that a plan made from it
+    fits even when the fit is off by that much."""
     cost = fitted.at(batch_size, length, **step_fields)
-    reserve = int(math.ceil(err * sum(checked_bytes(cost))))
+    reserve = int(math.ceil(err * sum(checked_bytes(cost)))) + transient_bytes
     return dataclasses.replace(cost, pre_saved_bytes=cost.pre_saved_bytes + reserve)
 
 

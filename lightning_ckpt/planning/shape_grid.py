@@ -8,8 +8,8 @@ others) misses by at most `FIT_TOLERANCE` of the checked bytes: linear in the pr
 convolutional stage holds bytes in proportion to its pixels), with its square (attention over flattened
 patches), bilinear, then a full quadratic. A point is costed inside the profiled sizes (sizes below the
 smallest profiled are raised to it: memory grows with every size, so that over-counts) and up to
-`EXTRAPOLATE` times past the largest on each axis, with the checked miss of every size held (the blocks'
-transients included, `shape_profile.held_bytes`), grown with the square of that stretch, held in reserve. A point farther out is profiled: `grown_point` says where, so that the one profile
+`EXTRAPOLATE` times past the largest on each axis, with the checked miss (a share of the checked bytes, and the
+blocks' transients' in bytes: `shape_profile.held_bytes`), grown with the square of that stretch, held in reserve. A point farther out is profiled: `grown_point` says where, so that the one profile
 reaches it and as far again on every other axis. Plain data, no torch.
 """
 
@@ -71,6 +71,7 @@ class Reach:
     model: str
     error: float
     reserve_share: float
+    transient_bytes: int = 0  # the checked miss of the transients (`GridProfile.transient_miss_bytes`), held too
 
     @property
     def extrapolated(self) -> bool:
@@ -83,7 +84,7 @@ class GridProfile:
 
     points: tuple[tuple[Point, Profile], ...]
     _models: dict = field(default_factory=dict, compare=False, repr=False)  # batch size -> (model, error) or None
-    _reserves: dict = field(default_factory=dict, compare=False, repr=False)  # batch size -> the chosen model's reserve
+    _transients: dict = field(default_factory=dict, compare=False, repr=False)  # batch size -> the chosen model's miss
     _costs: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -118,23 +119,24 @@ class GridProfile:
         values = stacked([p.at(batch_size) for _, p in self.points])
         return {m: e[0] for m in MODELS if (e := self._leave_one_out(m, *values)) is not None}
 
-    def reserve_error(self, batch_size: int) -> float | None:
-        """The chosen model's worst leave-one-out miss of any size the memory model holds, transients
-        included (`shape_profile.held_bytes`), as a share of the checked bytes: what its costs hold in reserve."""
-        return None if self.model(batch_size) is None else self._reserves[batch_size]
+    def transient_miss_bytes(self, batch_size: int) -> int | None:
+        """The chosen model's worst leave-one-out miss, in bytes, of any size the memory model holds, transients
+        included (`shape_profile.held_bytes`): its costs hold it in reserve beside the checked share."""
+        return None if self.model(batch_size) is None else int(math.ceil(self._transients[batch_size]))
 
     def _choose(self, batch_size: int) -> tuple[str, float] | None:
         values = stacked([p.at(batch_size) for _, p in self.points])
         for m in MODELS:
             found = self._leave_one_out(m, *values)
             if found is not None and found[0] <= FIT_TOLERANCE:
-                self._reserves[batch_size] = found[1]
+                self._transients[batch_size] = found[1]
                 return m, found[0]
         return None
 
     def _leave_one_out(self, model: str, values: np.ndarray, checked: int) -> tuple[float, float] | None:
         """Worst miss of each point predicted by the model fitted to the others, of the first `checked`
-        quantities and of all (None: too few points, or points that cannot tell the model's features apart)."""
+        quantities as a share and of all in bytes (None: too few points, or points that cannot tell the model's
+        features apart)."""
         f = self._matrix(model, [p for p, _ in self.points])
         n, m = f.shape
         if n < m + CHECK_POINTS:
@@ -167,10 +169,10 @@ class GridProfile:
         if stretch > EXTRAPOLATE:
             return None
         model, err = chosen
-        held = self._reserves[batch_size]  # at least `err`: the same points, more quantities
         # [reserve] inside: the checked miss; past the profiled sizes: at least the tolerance, grown with the stretch squared
-        share = held if stretch == 1.0 else max(held, FIT_TOLERANCE) * stretch**2
-        return Reach(raised, stretch, model, err, share)
+        share = err if stretch == 1.0 else max(err, FIT_TOLERANCE) * stretch**2
+        transient = int(math.ceil(self._transients[batch_size] * stretch**2))
+        return Reach(raised, stretch, model, err, share, transient)
 
     def at(self, batch_size: int, point: Sequence[int], model: str, **step_fields) -> StepCost:
         """The step cost at `point`: its own profile where it was profiled, else the fit of `model`."""
@@ -193,5 +195,5 @@ class GridProfile:
     def cost(self, reach: Reach, batch_size: int, **step_fields) -> StepCost:
         """The cost at `reach.point` with its reserve held as resident bytes before the chain."""
         cost = self.at(batch_size, reach.point, reach.model, **step_fields)
-        reserve = int(math.ceil(reach.reserve_share * sum(checked_bytes(cost))))
+        reserve = int(math.ceil(reach.reserve_share * sum(checked_bytes(cost)))) + reach.transient_bytes
         return dataclasses.replace(cost, pre_saved_bytes=cost.pre_saved_bytes + reserve)

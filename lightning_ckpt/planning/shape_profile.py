@@ -13,6 +13,7 @@ inside the profiled range and when that check is within its tolerance. Plain dat
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -52,20 +53,19 @@ def checked_bytes(cost: StepCost) -> list[float]:
 def held_bytes(cost: StepCost) -> list[float]:
     """Every size the memory model holds (`linear_fit._CHECKED`, as the check slice of a profile): the checked
     bytes with the blocks' transients. A transient can be the larger of a fixed buffer (a weight's gradient)
-    and an activation, which no polynomial in the size follows: its miss is held in reserve, not checked
-    against the tolerance."""
+    and an activation, which no polynomial in the size follows: its miss is held in reserve as bytes
+    (`ShapeProfile.transient_miss_bytes`), not checked against the tolerance, which is a share of the
+    checked bytes (a fixed buffer's miss at a short length would be a large share of little)."""
     out = [float(getattr(b, f) or 0) for b in cost.blocks for f in _CHECKED]
     return out + [float(getattr(cost, f) or 0) for f in _CHECKED_STEP]
 
 
 def worst_misses(predicted: np.ndarray, measured: np.ndarray, checked: int) -> tuple[float, float]:
-    """(the largest miss of the first `checked` quantities, of all of them), each as a share of the sum of
-    the first `checked` measured ones (what the step's saved and boundary bytes are made of)."""
-    total = float(measured[:checked].sum())
-    if total <= 0:
-        return 0.0, 0.0
+    """(the largest miss of the first `checked` quantities as a share of their measured sum (what the step's
+    saved and boundary bytes are made of), the largest miss of all of them in bytes)."""
     miss = np.abs(np.maximum(0.0, np.rint(predicted)) - measured)
-    return float(miss[:checked].max()) / total, float(miss.max()) / total
+    total = float(measured[:checked].sum())
+    return (float(miss[:checked].max()) / total if total > 0 else 0.0), float(miss.max())
 
 
 def stacked(costs: Sequence[StepCost]) -> tuple[np.ndarray, int]:
@@ -81,7 +81,7 @@ class ShapeProfile:
     same blocks. With one length it is that length's profile; with more, `at` interpolates."""
 
     profiles: tuple[tuple[int, Profile], ...]
-    _errors: dict = field(default_factory=dict, compare=False, repr=False)  # batch size -> (fit_error, reserve_error)
+    _errors: dict = field(default_factory=dict, compare=False, repr=False)  # batch size -> (fit_error, transient_miss_bytes)
     _fitted: dict = field(default_factory=dict, compare=False, repr=False)  # fitted costs already asked for
 
     def __post_init__(self) -> None:
@@ -141,16 +141,16 @@ class ShapeProfile:
             self._errors[batch_size] = self._leave_one_out(batch_size)
         return self._errors[batch_size][0]
 
-    def reserve_error(self, batch_size: int) -> float | None:
-        """The share of the checked bytes a cost from the fit holds in reserve: the worst leave-one-out miss of
-        any size the memory model holds, transients included (`held_bytes`), at least `fit_error`."""
+    def transient_miss_bytes(self, batch_size: int) -> int | None:
+        """The worst leave-one-out miss, in bytes, of any size the memory model holds, transients included
+        (`held_bytes`): held in reserve by a cost from the fit beside the share `fit_error` of the checked bytes."""
         if self.fit_error(batch_size) is None:
             return None
-        return self._errors[batch_size][1]
+        return int(math.ceil(self._errors[batch_size][1]))
 
     def _leave_one_out(self, batch_size: int) -> tuple[float, float]:
         """Each profiled length predicted from the others, one least-squares solve per length over all
-        the quantities at once -> (worst miss of the checked ones, of all)."""
+        the quantities at once -> (worst miss of the checked ones as a share, of all in bytes)."""
         values, checked = stacked([p.at(batch_size) for _, p in self.profiles])  # lengths x quantities
         xs = np.asarray(self.lengths, dtype=float) / max(self.lengths)
         worst, reserve = 0.0, 0.0
