@@ -46,8 +46,11 @@ def static_hazards(model: nn.Module, configs: list[tuple[str, Any]]) -> list[str
     return found
 
 
+_PLAIN_TYPES = frozenset({bool, int, float, str, type(None)})  # (most attributes: one look-up, no isinstance)
+
+
 def _plain(value: Any) -> bool:
-    if isinstance(value, (bool, int, float, str, type(None))):
+    if type(value) in _PLAIN_TYPES or isinstance(value, (bool, int, float, str, type(None))):
         return True
     return isinstance(value, tuple) and all(_plain(v) for v in value)
 
@@ -137,13 +140,14 @@ _NOT_MODEL_STATE = _MODULE_INTERNALS | _STRATEGY_ATTRIBUTES
 
 
 def _model_state(module: nn.Module) -> dict[str, tuple]:
-    """`_attributes` of what the model itself keeps on `module` (not torch's, not a strategy's)."""
+    """`_attributes` of what the model itself keeps on `module` (not torch's, not a strategy's), less
+    its tensors: the numbers, strings, flags and container lengths `PythonStateWatch` compares."""
     attrs: dict[str, tuple] = {}
     for key, value in vars(module).items():  # (`_attributes`, with the other keys skipped first)
         if key in _NOT_MODEL_STATE or key.startswith(_STRATEGY_PREFIXES):
             continue
         found = _attribute(value)
-        if found is not None:
+        if found is not None and found[0] != "tensor":
             attrs[key] = found
     return attrs
 
@@ -158,6 +162,9 @@ def _global_draws() -> tuple[Any, Any]:
     except ImportError:  # pragma: no cover
         np_state = None
     return random.getstate(), np_state
+
+
+_MISSING = object()
 
 
 class PythonStateWatch:
@@ -183,9 +190,10 @@ class PythonStateWatch:
         found = self.reasons[i]
         for path, module, old_attrs in attrs:
             where = f"self.{path}." if path else "self."
-            now = _model_state(module)
-            for key, (kind, old) in old_attrs.items():
-                new_kind, new = now.get(key, (None, None))
+            now = vars(module)
+            for key, (kind, old) in old_attrs.items():  # (the keys `_model_state` kept: only these are read again)
+                value = now.get(key, _MISSING)
+                new_kind, new = (None, None) if value is _MISSING else _attribute(value) or (None, None)
                 if kind == "plain" and new_kind == "plain" and old != new:
                     found.add(f"writes {where}{key} ({old!r} -> {new!r})")
                 elif kind == "container" and new_kind == "container" and old != new:

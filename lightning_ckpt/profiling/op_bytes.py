@@ -102,6 +102,24 @@ def _is_random(func: Any) -> bool:
     return found
 
 
+_COLLECTIVE: dict[Any, bool] = {}  # op overload -> `tp_work.is_collective` (its namespace never changes)
+_DEVICE_NAMES: dict[torch.device, str] = {}
+
+
+def _is_collective(func: Any) -> bool:
+    found = _COLLECTIVE.get(func)
+    if found is None:
+        found = _COLLECTIVE[func] = is_collective(func)
+    return found
+
+
+def _device_name(device: torch.device) -> str:
+    found = _DEVICE_NAMES.get(device)
+    if found is None:
+        found = _DEVICE_NAMES[device] = str(device)
+    return found
+
+
 class WorkTally:
     """Running totals of the work ops did: FLOPs by dtype, bytes written, random bytes drawn,
     bytes moved by functional collectives (`comm_bytes`, as all-gather outputs: `tp_work`).
@@ -145,11 +163,11 @@ class WorkTally:
             self.comm_bytes += local.comm_bytes
             self.flop_dtypes.update(local.flop_dtypes)
             self.mem_dtypes.update(local.mem_dtypes)
-        elif is_collective(func):
+        elif _is_collective(func):
             self.comm_bytes += collective_bytes(func, args, kwargs, outs)
         elif flops:
             if first is not None:
-                self.flop_dtypes[(str(first.device), first.dtype)] += flops
+                self.flop_dtypes[(_device_name(first.device), first.dtype)] += flops
         else:
             nbytes = written_bytes(func, args, kwargs, out, inputs, outs, out_keys)
             if nbytes:
@@ -160,7 +178,7 @@ class WorkTally:
                     mem = nbytes
                     self.mem_bytes += nbytes
                 if first is not None and first.is_floating_point():
-                    self.mem_dtypes[(str(first.device), first.dtype)] += nbytes
+                    self.mem_dtypes[(_device_name(first.device), first.dtype)] += nbytes
         if self.on_op is not None:
             self.op_keys = (inputs, out_keys)
             self.on_op(func, args, kwargs, outs, flops, mem, rng)

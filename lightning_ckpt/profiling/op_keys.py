@@ -20,9 +20,16 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 __all__ = ["OpCallCounter", "op_name", "is_random_op", "counted"]
 
 
+_NAMES: dict[Any, str] = {}  # op overload -> its name (formatting it from the schema costs more than the op's count)
+_RANDOM: dict[Any, bool] = {}  # op overload -> `is_random_op` (its tags never change)
+
+
 def op_name(func: Any) -> str:
     """The name of an op overload in plans and tables: ``str(func)``, e.g. ``"aten.mm.default"``."""
-    return str(func)
+    found = _NAMES.get(func)
+    if found is None:
+        found = _NAMES[func] = str(func)
+    return found
 
 
 def counted(func: Any) -> bool:
@@ -32,7 +39,10 @@ def counted(func: Any) -> bool:
 
 def is_random_op(func: Any) -> bool:
     """Whether `func` draws random numbers (dropout's `bernoulli_`, `native_dropout`, `rand`...)."""
-    return torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+    found = _RANDOM.get(func)
+    if found is None:
+        found = _RANDOM[func] = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+    return found
 
 
 class OpCallCounter:

@@ -219,7 +219,8 @@ class ProbeCounters(_FlopCounting, LiveBytesTracker, WorkTally):
             return NotImplemented
         before = self.total_flops
         self.local = None
-        flat = flat_tensors((args, kwargs))  # the same tensors after the op; their storages are read after it
+        # the same tensors after the op; their storages are read after it
+        flat = flat_tensors((args, kwargs)) if kwargs else flat_tensors(args)
         out = self._run_counting_flops(func, args, kwargs, self, flat)
         local, self.local = self.local, None
         # Views and in-place results share an input's storage: never a new one (see the tracker)

@@ -53,9 +53,10 @@ def preserved_state(model: nn.Module) -> Iterator[None]:
     params = [p for _, p in named]
     grads = [p.grad for p in params]
     requires = [p.requires_grad for p in params]
-    modes = [(m, m.training) for m in model.modules()]
-    metrics = [(m, _metric_state(m)) for m in model.modules() if _is_metric(m)]
-    attrs = [(path, m, _python_attributes(m)) for path, m in model.named_modules() if not _is_metric(m)]
+    modules = [(path, m, _is_metric(m)) for path, m in model.named_modules()]  # (`modules()` is this order)
+    modes = [(m, m.training) for _, m, _ in modules]
+    metrics = [(m, _metric_state(m)) for _, m, metric in modules if metric]
+    attrs = [(path, m, _python_attributes(m)) for path, m, metric in modules if not metric]
     with preserved_rng():
         for p in params:
             p.grad = None
@@ -66,7 +67,7 @@ def preserved_state(model: nn.Module) -> Iterator[None]:
             for item in held:
                 _restore(item, failed)
             for (name, p), g, r in zip(named, grads, requires):
-                try:  # (`_attempt`, inline: one per parameter and attribute)
+                try:  # (each item restored whatever the others do: failures are reported together)
                     _restore_grad(p, g, r)
                 except Exception as err:
                     _failed(failed, name, "grad", err)
@@ -117,31 +118,28 @@ def _held_tensors(model: nn.Module) -> list[_HeldTensor]:
     return held
 
 
-def _attempt(failed: list[str], path: str, name: str, restore) -> None:
-    try:
-        restore()
-    except Exception as err:  # every item is restored whatever the others do; failures are reported together
-        _failed(failed, path, name, err)
-
-
 def _failed(failed: list[str], path: str, name: str, err: Exception) -> None:
     failed.append(f"{path}.{name} ({type(err).__name__}: {err})")
 
 
 def _restore(item: _HeldTensor, failed: list[str]) -> None:
-    def put_back() -> None:
-        table = getattr(item.module, item.kind)
-        if table.get(item.name) is not item.obj:  # rebound by assignment in forward (or deleted)
-            table[item.name] = item.obj
-        if item.copy is None:
-            return
-        with torch.no_grad():
-            if tuple(item.obj.shape) != item.shape:  # resized in forward: take the old shape and values back
-                item.obj.set_(item.copy)
-            else:
-                item.obj.copy_(item.copy)
+    try:  # (each item restored whatever the others do: failures are reported together)
+        _put_back(item)
+    except Exception as err:
+        _failed(failed, item.path, item.name, err)
 
-    _attempt(failed, item.path, item.name, put_back)
+
+def _put_back(item: _HeldTensor) -> None:
+    table = getattr(item.module, item.kind)
+    if table.get(item.name) is not item.obj:  # rebound by assignment in forward (or deleted)
+        table[item.name] = item.obj
+    if item.copy is None:
+        return
+    with torch.no_grad():
+        if tuple(item.obj.shape) != item.shape:  # resized in forward: take the old shape and values back
+            item.obj.set_(item.copy)
+        else:
+            item.obj.copy_(item.copy)
 
 
 def _restore_grad(p: torch.Tensor, grad: torch.Tensor | None, requires: bool) -> None:

@@ -42,13 +42,21 @@ def flat_tensors(value: Any) -> list[torch.Tensor]:
     return out
 
 
+_ATOMS = frozenset({int, float, bool, str, type(None)})  # what most op arguments are: never a tensor
+
+
 def _collect(values: Iterable[Any], out: list[torch.Tensor]) -> None:
     """Append the tensors in `values` to `out`, depth first, in order."""
     for v in values:
+        if type(v) in _ATOMS:
+            continue
         if isinstance(v, torch.Tensor):
             out.append(v)
         elif isinstance(v, (tuple, list)):
-            _collect(v, out)
+            for x in v:  # a list of sizes or strides holds no tensor: no call made for it
+                if type(x) not in _ATOMS:
+                    _collect(v, out)
+                    break
         elif isinstance(v, dict):
             _collect(v.values(), out)
 
@@ -66,21 +74,17 @@ def storage_key(t: torch.Tensor) -> tuple[str, int] | None:
     """(device, data pointer) of the storage behind `t`; None for meta, empty or storage-less tensors
     (a storage FSDP2 freed by resizing it to 0 bytes, a wrapper subclass without data)."""
     local = getattr(t, "_local_tensor", None)  # `local_tensor`, inline: this runs for every tensor of every op
-    try:
-        return _key_of((local if isinstance(local, torch.Tensor) else t).untyped_storage())
+    try:  # device names are kept: this runs for every tensor an op takes or makes
+        st = (local if isinstance(local, torch.Tensor) else t).untyped_storage()
+        device = st.device
+        found = _DEVICES.get(device)
+        if found is None:
+            found = _DEVICES[device] = (str(device), device.type == "meta")
+        if found[1] or st.nbytes() == 0:
+            return None
+        return (found[0], st.data_ptr())
     except (RuntimeError, NotImplementedError):  # meta, sparse, functional wrappers, invalid python storage
         return None
-
-
-def _key_of(st: Any) -> tuple[str, int] | None:
-    """`storage_key` of storage `st` (it runs for every tensor an op takes or makes: device names are kept)."""
-    device = st.device
-    found = _DEVICES.get(device)
-    if found is None:
-        found = _DEVICES[device] = (str(device), device.type == "meta")
-    if found[1] or st.nbytes() == 0:
-        return None
-    return (found[0], st.data_ptr())
 
 
 def storage_bytes(t: torch.Tensor) -> int:

@@ -9,7 +9,7 @@ tensor attribute (`__dict__[name]`, e.g. the weight `torch.nn.utils.spectral_nor
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,15 +52,18 @@ def slot_modules(blocks: Iterable[nn.Module]) -> list[nn.Module]:
 
 def state_slots(modules: Iterable[nn.Module]) -> list[Slot]:
     """The buffers and plain tensor attributes of `modules` that hold a tensor now."""
-    out = []
+    return [Slot(m, kind, name) for m, kind, name in _places(modules)]
+
+
+def _places(modules: Iterable[nn.Module]) -> Iterator[tuple[nn.Module, str, str]]:
+    """(module, kind, name) of each slot `state_slots` finds, in its order."""
     for m in modules:
         for name, buf in m._buffers.items():
             if buf is not None:
-                out.append(Slot(m, BUFFER, name))
+                yield m, BUFFER, name
         for name, value in vars(m).items():
             if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
-                out.append(Slot(m, ATTRIBUTE, name))
-    return out
+                yield m, ATTRIBUTE, name
 
 
 def get_slot(slot: Slot) -> torch.Tensor | None:
@@ -111,7 +114,8 @@ def written_slots(before: Fingerprint, modules: Iterable[nn.Module]) -> list[Slo
     """The slots a forward wrote, from the `fingerprint` taken before it: the tensor written in place
     or resized (`inplace=True`), rebound to another object (`inplace=False`), or created or removed."""
     out = []
-    after = {s.key: s for s in state_slots(modules)}
+    # created by the forward: before it, the slot was empty (each key once, as slots are found)
+    created = {(id(m), kind, name): (m, kind, name) for m, kind, name in _places(modules)}
     for key, (slot, obj, version, shape, copy) in before.items():
         now = get_slot(slot)
         moved = obj is not None and (
@@ -119,9 +123,9 @@ def written_slots(before: Fingerprint, modules: Iterable[nn.Module]) -> list[Slo
         )
         if moved or now is not obj:
             out.append(Slot(slot.module, slot.kind, slot.name, inplace=moved))
-    for key, slot in after.items():
-        if key not in before:  # created by the forward: before it, the slot was empty
-            out.append(Slot(slot.module, slot.kind, slot.name, inplace=False))
+    for key, (m, kind, name) in created.items():
+        if key not in before:
+            out.append(Slot(m, kind, name, inplace=False))
     return out
 
 
@@ -136,6 +140,15 @@ def slot_bytes(slots: Iterable[Slot]) -> int:
         seen.add(id(t))
         total += t.numel() * t.element_size()
     return total
+
+
+def _modes_off(tensors: list[torch.Tensor | None]) -> Any:
+    """Every dispatch mode off for the copies and comparisons of `tensors`. Plain tensors skip Python
+    dispatch altogether (a fraction of the cost of taking the modes off their stack and back); a
+    tensor subclass (a DTensor buffer) keeps its own dispatch, with the modes taken off."""
+    if all(type(t) is torch.Tensor or t is None for t in tensors):
+        return torch._C._DisableTorchDispatch()
+    return _disable_current_modes()
 
 
 class WrittenStateWatch:
@@ -155,7 +168,7 @@ class WrittenStateWatch:
         if not slots:  # nothing to copy: the modes need not be left
             self._open[i] = (block, modules, {})
             return
-        with _disable_current_modes(), torch.no_grad():
+        with _modes_off([get_slot(s) for s in slots]), torch.no_grad():
             self._open[i] = (block, modules, fingerprint(slots))
 
     def after(self, i: int) -> None:
@@ -163,7 +176,7 @@ class WrittenStateWatch:
             return
         block, modules, before = self._open.pop(i)
         if before:
-            with _disable_current_modes(), torch.no_grad():
+            with _modes_off([entry[1] for entry in before.values()]), torch.no_grad():
                 written = written_slots(before, modules)
         else:  # no slot to compare (no op runs): only slots the forward created
             written = written_slots(before, modules)
