@@ -279,7 +279,7 @@ class StepCost:
     def rates(self) -> MachineRates | None:
         """The machine rates measured with the profile, or None."""
         data = self.meta.get("rates")
-        return None if data is None else MachineRates.from_dict(data)
+        return None if data is None else _rates_of(data)
 
     @property
     def grad_bytes(self) -> int:
@@ -309,3 +309,23 @@ class StepCost:
             BlockCost(**{**b, "ops": tuple(OpCost(**o) for o in b.get("ops", ()))}) for b in data.pop("blocks")
         )
         return cls(blocks=blocks, **data)
+
+
+# id -> (the dict, its items, its rates): every cost of a profile shares the profile's dict of rates (`Profile.at`
+# and the fits pass it on), so each planner call that reads `StepCost.rates` finds it here instead of checking
+# the rates again; the dict is held so that its id names it, and its items tell a dict changed since
+_RATES_MADE: dict[int, tuple[dict, tuple, MachineRates]] = {}
+_RATES_KEPT = 64
+
+
+def _rates_of(data: dict) -> MachineRates:
+    """`MachineRates.from_dict(data)`, made once per dict of rates."""
+    items = tuple(data.items())
+    made = _RATES_MADE.get(id(data))
+    if made is not None and made[0] is data and made[1] == items:
+        return made[2]
+    rates = MachineRates.from_dict(data)
+    if len(_RATES_MADE) >= _RATES_KEPT:
+        _RATES_MADE.clear()
+    _RATES_MADE[id(data)] = (data, items, rates)
+    return rates

@@ -13,7 +13,7 @@ import numpy as np
 
 from lightning_ckpt.costs.block_costs import StepCost
 from lightning_ckpt.planning.chain_arrays import _INT_LIMIT, recompute_columns
-from lightning_ckpt.planning.memory_model import end_need, end_relief, kept_element, optimizer_need, step_terms
+from lightning_ckpt.planning.memory_model import end_need, end_relief, kept_elements, optimizer_need
 from lightning_ckpt.planning.recompute_cost import metric_rates
 
 
@@ -34,10 +34,10 @@ def all_kept_optimum(cost: StepCost, budget: int, metric: str) -> tuple[int | fl
     d = end_need(cost)
     if opt > budget or d - relief > budget:
         return None  # no plan fits: `solve_chain` says so itself
-    terms = step_terms(cost)
+    kept = kept_elements(cost)
     blocks = cost.blocks
     for p in range(n - 1, -1, -1):  # the end counts as a segment start: the last block's output held there
-        d = max(kept_element(cost, p, terms).need_bytes, blocks[p].saved_bytes + d - (relief if p == n - 1 else 0))
+        d = max(kept[p].need_bytes, blocks[p].saved_bytes + d - (relief if p == n - 1 else 0))
         if d > budget:
             return None
     rc, tails, seg, scale, cdt = recompute_columns(cost, metric, rates)

@@ -17,10 +17,8 @@ from lightning_ckpt.costs.linear_fit import _BLOCK_LINEAR, _SIGNED_TIMES, _STEP_
 
 _OP_FIELDS = ("keep_bytes", "flops", "mem_bytes", "rng_bytes")
 _INT_STEP = (*_STEP_LINEAR, "post_forward_bytes")
-_MS = _BLOCK_LINEAR.index("fwd_ms")  # the one linear block field that stays a float
-_INT_NAMES = tuple(f for f in _BLOCK_LINEAR if f != "fwd_ms")
+_INT_NAMES = tuple(f for f in _BLOCK_LINEAR if f != "fwd_ms")  # fwd_ms is the one linear float
 _OP_NAMES = tuple(f.name for f in dataclasses.fields(OpCost))
-_OP_SLOTS = tuple(_OP_NAMES.index(f) for f in _OP_FIELDS)  # where the combined sizes go among an op's fields
 
 
 class CostCombination:
@@ -30,20 +28,20 @@ class CostCombination:
 
     def __init__(self, costs: Sequence[StepCost]) -> None:
         self.first = first = costs[0]
-        columns: list[list[float]] = []
-        # the columns rounded to counts: `_counts` (at least 0 before rounding), `_op_counts` (after)
-        counts: list[int] = []
-        op_counts: list[int] = []
-        # per block: (fields of the first, its first count, its peak's count or None, fwd_ms column,
-        # signed time columns, ops (field values of each call, first op count) or None)
+        # the columns in three runs, each a column per quantity: counts (at least 0 before rounding), op
+        # counts (after), then floats; a count's index is its place among the counts, an op count's among
+        # the op counts, a float's among the floats
+        counts: list[list[float]] = []
+        op_counts: list[list[float]] = []
+        floats: list[list[float]] = []
+
+        def add(values: Sequence, to: list[list[float]]) -> int:
+            to.append([float(v) for v in values])
+            return len(to) - 1
+
+        # per block: (fields of the first, its first count, its peak's count or None, fwd_ms float,
+        # signed time floats, the fields of each op call: none when the costs' calls differ)
         self._blocks = []
-
-        def add(values: Sequence, to: list[int] | None = None) -> int:
-            columns.append([float(v) for v in values])
-            if to is not None:
-                to.append(len(columns) - 1)
-            return len(columns) - 1
-
         for i in range(first.n_blocks):
             blocks = [c.blocks[i] for c in costs]
             base = {f.name: getattr(blocks[0], f.name) for f in dataclasses.fields(blocks[0])}
@@ -51,84 +49,91 @@ class CostCombination:
             base["unreplayable"] = held_writes(blocks)  # a write seen at any shape holds at every shape
             base["written_state_bytes"] = max(b.written_state_bytes for b in blocks)
             at = len(counts)
-            for f in _BLOCK_LINEAR:
-                add([getattr(b, f) for b in blocks], None if f == "fwd_ms" else counts)
-            ms = len(columns) - len(_BLOCK_LINEAR) + _MS
+            for f in _INT_NAMES:
+                add([getattr(b, f) for b in blocks], counts)
+            ms = add([b.fwd_ms for b in blocks], floats)
             peaks = [b.ckpt_fwd_peak_bytes for b in blocks]
-            peak = None
-            if None not in peaks:
-                add(peaks, counts)
-                peak = len(counts) - 1
+            peak = None if None in peaks else add(peaks, counts)
             signed = {}
             for f in _SIGNED_TIMES:
                 values = [getattr(b, f) for b in blocks]
-                signed[f] = None if None in values else add(values)
+                signed[f] = None if None in values else add(values, floats)
             keys = [tuple(o.key for o in b.ops) for b in blocks]
-            ops = None
+            ops = []  # the fields of each op call in order, sizes filled in by `combine`
             if keys and all(k == keys[0] for k in keys):  # else no op-level options for that block there
-                bases, op_at = [], len(op_counts)
                 for calls in zip(*(b.ops for b in blocks)):
                     op = dataclasses.replace(
                         calls[0], saved=all(o.saved for o in calls), keepable=all(o.keepable for o in calls),
                         in_tail=all(o.in_tail for o in calls),
                     )
-                    bases.append([getattr(op, f) for f in _OP_NAMES])  # the fields in order, sizes filled in below
+                    ops.append({f: getattr(op, f) for f in _OP_NAMES})
                     for f in _OP_FIELDS:
                         add([getattr(o, f) for o in calls], op_counts)
-                ops = (bases, op_at)
             self._blocks.append((base, at, peak, ms, signed, ops))
         self._step = {}
         for f in _INT_STEP:
             values = [getattr(c, f) for c in costs]
-            self._step[f] = None
-            if None not in values:
-                add(values, counts)
-                self._step[f] = len(counts) - 1
-        self._flops = add([c.meta.get("step_fwd_flops", 0) for c in costs])
-        self._rows = np.array(columns, dtype=float).T.copy() if columns else np.zeros((len(costs), 0))
-        self._counts = np.array(counts, dtype=np.intp)
-        self._op_counts = np.array(op_counts, dtype=np.intp)
+            self._step[f] = None if None in values else add(values, counts)
+        self._flops = add([c.meta.get("step_fwd_flops", 0) for c in costs], floats)
+        self._step_base = {f.name: getattr(first, f.name) for f in dataclasses.fields(first)}
+        self._n_counts, self._n_ints = len(counts), len(counts) + len(op_counts)
+        columns = counts + op_counts + floats
+        self._rows = np.array(columns, dtype=float).T.copy()
 
     def combine(self, w: Sequence[float]) -> StepCost:
-        acc = np.zeros(self._rows.shape[1])
-        for weight, row in zip(w, self._rows):  # left to right, as a sum of products one by one
-            acc = acc + float(weight) * row
-        v = acc.tolist()
-        # each as `int(round(max(0.0, x)))` and `max(0, int(round(x)))` one by one: `fmax` drops a NaN as
-        # `max(0.0, nan)` does, `maximum` keeps it for `int` to refuse; rint rounds half to even as `round`
-        counts = list(map(int, np.rint(np.fmax(acc[self._counts], 0.0)).tolist()))
-        op_counts = list(map(int, np.maximum(np.rint(acc[self._op_counts]), 0.0).tolist()))
+        rows = self._rows[: len(w)]
+        products = np.array(w[: len(rows)], dtype=float)[:, None] * rows  # each `float(weight) * row`
+        # summed from 0.0 row after row: numpy sums pairwise only along a contiguous axis, and the columns
+        # (at least the step's four counts and its FLOPs) make the first axis a strided one
+        acc = np.add.reduce(products, axis=0, initial=0.0)
+        nc, ni = self._n_counts, self._n_ints
+        # each as `int(round(max(0.0, x)))` (counts) and `max(0, int(round(x)))` (op counts), one by one: rint
+        # rounds half to even as `round` and commutes with the bound at 0; `fmax` drops a NaN as `max(0.0, nan)`
+        # does, `maximum` keeps it for `int` to refuse; below 2**63 `int64` holds every rounded float exactly
+        y = np.rint(acc[:ni])
+        np.fmax(y[:nc], 0.0, out=y[:nc])
+        np.maximum(y[nc:], 0.0, out=y[nc:])
+        ints = y.astype(np.int64).tolist() if y.max(initial=0.0) < 2.0**63 else list(map(int, y.tolist()))
+        counts, sizes, v = ints[:nc], iter(ints[nc:]), acc[ni:].tolist()
         blocks = []
-        n_ops = len(_OP_FIELDS)
+        n_int = len(_INT_NAMES)
         for base, at, peak, ms, signed, ops in self._blocks:
-            kw = dict(base)
-            kw.update(zip(_INT_NAMES, counts[at : at + len(_INT_NAMES)]))
+            kw = base.copy()
+            kw.update(zip(_INT_NAMES, counts[at : at + n_int]))
             kw["fwd_ms"] = max(0.0, v[ms])
             kw["ckpt_fwd_peak_bytes"] = None if peak is None else counts[peak]
             for f, col in signed.items():
                 kw[f] = None if col is None else v[col]
-            kw["input_saved_bytes"] = min(kw["input_saved_bytes"], kw["input_bytes"])
+            whole = kw["input_bytes"]
+            kw["input_saved_bytes"] = min(kw["input_saved_bytes"], whole)
             kw["output_saved_bytes"] = min(kw["output_saved_bytes"], kw["output_bytes"])
-            kw["input_saved_by_previous_bytes"] = min(kw["input_saved_by_previous_bytes"], kw["input_bytes"])
+            kw["input_saved_by_previous_bytes"] = min(kw["input_saved_by_previous_bytes"], whole)
             for tail, whole in _TAILS:
                 kw[tail] = min(kw[tail], kw[whole])
-            if ops is None:
-                kw["ops"] = ()
-            else:
-                bases, k = ops
-                made = []
-                for values in bases:
-                    values = values.copy()
-                    for slot, x in zip(_OP_SLOTS, op_counts[k : k + n_ops]):
-                        values[slot] = x
-                    made.append(OpCost(*values))
-                    k += n_ops
-                kw["ops"] = tuple(made)
-            blocks.append(BlockCost(**kw))
-        fields = {f: None if at is None else counts[at] for f, at in self._step.items()}
-        meta = dict(self.first.meta)
+            made = []
+            for values in ops:
+                values = values.copy()
+                values.update(zip(_OP_FIELDS, sizes))  # `zip` stops at the fields: it takes 4 sizes, no more
+                made.append(_filled(OpCost, values))
+            kw["ops"] = tuple(made)
+            # [exactness] every size above is a count >= 0 or the least of two, and every other field the first
+            # cost's (checked when it was made): of `BlockCost`'s checks only the unsaved input can fail here
+            blocks.append(_filled(BlockCost, kw) if kw["input_unsaved_bytes"] <= kw["input_bytes"] else BlockCost(**kw))
+        step = self._step_base.copy()
+        step["blocks"] = tuple(blocks)
+        step.update((f, None if at is None else counts[at]) for f, at in self._step.items())
+        step["meta"] = meta = dict(self.first.meta)
         meta["step_fwd_flops"] = max(0.0, v[self._flops])
-        return dataclasses.replace(self.first, blocks=tuple(blocks), meta=meta, **fields)
+        # the blocks' gradients outside them and `outside_grad_bytes` are the first cost's: its check holds
+        return _filled(StepCost, step)
+
+
+def _filled(cls: type, values: dict):
+    """An instance of the frozen dataclass `cls` with `values` (every field, in field order) as its fields, made
+    without `__init__`: no `__post_init__` checks, and none of the per-field `object.__setattr__` calls."""
+    made = object.__new__(cls)
+    object.__setattr__(made, "__dict__", values)
+    return made
 
 
 def combine_costs(costs: Sequence[StepCost], w: Sequence[float]) -> StepCost:

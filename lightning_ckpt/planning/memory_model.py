@@ -121,8 +121,28 @@ class StepTerms:
     gradients_after: tuple[int, ...]
 
 
+# (cost, its `StepTerms`, its kept elements or None) for the last cost asked: the planners ask for the same
+# cost's terms again and again (the exact planner's test for keeping every block, then that plan's peak;
+# greedy's and every_k's peaks), and a `StepCost` is frozen, blocks and all, so the cost itself names them
+_LAST: tuple = (None, None, None)
+
+
 def step_terms(cost: StepCost) -> StepTerms:
-    return StepTerms(base_bytes(cost), forward_grad_bytes(cost), tuple(gradients_after(cost)))
+    global _LAST
+    last = _LAST
+    if last[0] is not cost:
+        last = _LAST = (cost, StepTerms(base_bytes(cost), forward_grad_bytes(cost), tuple(gradients_after(cost))), None)
+    return last[1]
+
+
+def kept_elements(cost: StepCost) -> tuple[Element, ...]:
+    """`kept_element` of every block."""
+    global _LAST
+    terms = step_terms(cost)
+    last = _LAST
+    if last[0] is not cost or last[2] is None:
+        last = _LAST = (cost, terms, tuple(kept_element(cost, p, terms) for p in range(cost.n_blocks)))
+    return last[2]
 
 
 def post_forward(cost: StepCost) -> int:
@@ -302,6 +322,7 @@ def plan_elements(
     starts = {a: b for a, b in segments}
     keeps = keeps or {}
     i, kept_before, n = 0, False, cost.n_blocks
+    kept = kept_elements(cost) if len(starts) < n else ()
     while i < n:
         if i in starts:
             el = next(e for e in segment_elements(cost, i, terms) if e.last == starts[i])
@@ -311,7 +332,7 @@ def plan_elements(
                 need, at = nested_backward(cost, i, starts[i], inner, terms, plain)
                 el = el._replace(backward_bytes=terms.base_bytes + need, backward_block=at)
         else:
-            el = kept_element(cost, i, terms)
+            el = kept[i]
         yield el, boundary_shift(cost, i, el.checkpointed, kept_before)
         i, kept_before = el.last + 1, not el.checkpointed
 

@@ -20,6 +20,7 @@ own table), O(n^3) vector operations per depth. The scratch of a recompute's for
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -302,6 +303,38 @@ class _Tables:
                 self.expand(depth, p, e, min(m - s, self.M), inner)
                 m, p, k = min(m - s - int(self.Rx[p]), self.M), e + 1, 1
         return tuple(segments), tuple(sorted(inner))
+
+
+def least_nested_recompute(cost: StepCost, metric: str) -> tuple[float, float] | None:
+    """(a lower bound on the recompute of every plan with an inner segment, the scale of its terms), or None
+    when a segment may cost less than 0 (or a cost is not finite): then there is no such bound here.
+
+    [bound] With every plain segment costing c(a, b) = P[b + 1] - P[a] - tail[b] + overhead >= 0, a segment
+    [a, b] with children costs at least c(a, b) plus min(overhead, the least c): its recompute is c(a, b)
+    and each child's at least that child's c, or, when its last element is a child [e, b], the blocks
+    before e, the overhead and that child, which add up to c(a, b) + overhead (`nested_model.nested_segment_cost`,
+    by induction on the depth). A plan with an inner segment has such a segment of two blocks or more, and
+    every other segment costs at least 0."""
+    rates = metric_rates(cost, metric)
+    rc = [block_recompute(b, metric, rates) for b in cost.blocks]
+    tails = [skipped_tail(b, metric, rates) for b in cost.blocks]
+    ovh = segment_overhead(metric, rates)
+    n = len(rc)
+    if n < 2 or ovh < 0:
+        return None
+    least, least_long = math.inf, math.inf
+    for a in range(n):
+        run = 0
+        for b in range(a, n):
+            run += rc[b]
+            c = run - tails[b] + ovh
+            least = min(least, c)
+            if b > a:
+                least_long = min(least_long, c)
+    scale = sum(map(abs, rc)) + sum(map(abs, tails)) + n * ovh
+    if not (least >= 0 and math.isfinite(least_long) and math.isfinite(scale)):
+        return None
+    return least_long + min(ovh, least), scale
 
 
 def solve_nested(

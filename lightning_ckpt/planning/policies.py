@@ -21,7 +21,7 @@ from lightning_ckpt.planning.memory_model import (
     validate_segments,
 )
 from lightning_ckpt.planning.nested_model import recompute_counts, validate_nested
-from lightning_ckpt.planning.nested_planner import NESTED_MAX_BLOCKS, solve_nested
+from lightning_ckpt.planning.nested_planner import NESTED_MAX_BLOCKS, least_nested_recompute, solve_nested
 from lightning_ckpt.planning.op_options import (
     GRANULARITIES,
     Keeps,
@@ -198,6 +198,8 @@ def optimal_nested(
         plain = None
     if max_levels < 2 or not 0 < cost.n_blocks <= NESTED_MAX_BLOCKS or (plain is not None and not plain.segments):
         return plain, ()
+    if plain is not None and _nesting_cannot_win(cost, plain, metric):
+        return plain, ()
     nested = solve_nested(cost, budget_bytes, metric, max_levels, slots=nested_slots(cost.n_blocks, plain is not None))
     if nested is None or not nested.inner or kept_blocks_in(cost, nested.segments):
         return plain, ()
@@ -208,6 +210,17 @@ def optimal_nested(
     if peak > budget_bytes:  # pragma: no cover - the slots round every need up
         return plain, ()
     return ChainSolution(ours, peak, list(nested.segments)), nested.inner
+
+
+def _nesting_cannot_win(cost: StepCost, plain: ChainSolution, metric: str) -> bool:
+    """Whether every plan with an inner segment recomputes more than `plain` by a margin far above rounding
+    (`nested_planner.least_nested_recompute`), so that the multi-level search could only return `plain`."""
+    found = least_nested_recompute(cost, metric)
+    if found is None:
+        return False
+    bound, scale = found
+    ours = recompute_cost(cost, plain.segments, metric, plain.keeps)
+    return ours >= 0 and bound - ours > 1e-9 * (scale + abs(ours))
 
 
 class PartialStepWarning(UserWarning):
