@@ -90,7 +90,7 @@ def test_a_shape_costed_from_the_fit_keeps_the_applied_regions_and_a_failed_plan
     decision = engine.step(tokens_batch(8, 20))
     assert decision is not None and decision.new and decision.source.startswith("fitted")
     assert len(driver.profiled) == profiled  # nothing profiled: the plan in place was never taken off,
-    assert len(driver.applied) == applied and engine.applied  # and `full` at 16 has its regions: not applied again
+    assert len(driver.applied) == applied and engine.applied  # and `full` at 20 has its regions: not applied again
     assert _hooks(driver.model) > 0
 
     def refuse(cost_of, shape):
