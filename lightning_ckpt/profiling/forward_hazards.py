@@ -146,6 +146,9 @@ def _model_state(module: nn.Module) -> dict[str, tuple]:
     for key, value in vars(module).items():  # (`_attributes`, with the other keys skipped first)
         if key in _NOT_MODEL_STATE or key.startswith(_STRATEGY_PREFIXES):
             continue
+        if type(value) in _PLAIN_TYPES:  # (what `_attribute` makes of it, without its calls)
+            attrs[key] = ("plain", value)
+            continue
         found = _attribute(value)
         if found is not None and found[0] != "tensor":
             attrs[key] = found
@@ -193,7 +196,10 @@ class PythonStateWatch:
             now = vars(module)
             for key, (kind, old) in old_attrs.items():  # (the keys `_model_state` kept: only these are read again)
                 value = now.get(key, _MISSING)
-                new_kind, new = (None, None) if value is _MISSING else _attribute(value) or (None, None)
+                if type(value) in _PLAIN_TYPES:  # (what `_attribute` makes of it, without its calls)
+                    new_kind, new = "plain", value
+                else:
+                    new_kind, new = (None, None) if value is _MISSING else _attribute(value) or (None, None)
                 if kind == "plain" and new_kind == "plain" and old != new:
                     found.add(f"writes {where}{key} ({old!r} -> {new!r})")
                 elif kind == "container" and new_kind == "container" and old != new:

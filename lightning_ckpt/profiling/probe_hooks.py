@@ -42,7 +42,9 @@ class Probe:
         work: WorkTally | None = None,
         batch_keys: set | None = None,
         op_profile: OpProfileRecorder | None = None,
+        params: list[torch.Tensor] | None = None,
     ):
+        """`params`: `list(model.parameters())`, when the caller has it."""
         self.blocks = list(blocks)
         self.names = list(names)
         self.next_block = 0
@@ -53,9 +55,10 @@ class Probe:
         # per op call of each block's forward, fed by `work` while the block runs
         self.op_profile = op_profile if work is not None else None
         self.ops: list[tuple] = [()] * len(self.blocks)
-        self.param_keys = {storage_key(p) for p in model.parameters()}
+        params = list(model.parameters()) if params is None else params
+        self.param_keys = {storage_key(p) for p in params}
         # ZeRO-3 and FSDP2 parameters are empty or sharded until gathered: also tell them by identity.
-        self.param_ids = {id(p) for p in model.parameters()}
+        self.param_ids = {id(p) for p in params}
         # the batch is alive all step (`StepCost.batch_bytes`): never a block's saved or boundary bytes
         self.batch_keys = batch_keys or set()
         self.current: int | None = None

@@ -97,9 +97,10 @@ def probe_step(
     batch_n = batch_size_of(batch)
     batch_tensors = list(tensors_in(batch))
     batch_keys = {storage_key(t) for t in batch_tensors} - {None}
-    inside = {id(p) for b in blocks for p in b.parameters()}
+    inside = {id(p) for b in distinct(blocks) for p in b.parameters()}
+    params = list(model.parameters())  # (the step changes no module's parameters before the hooks are set)
     outside_params = {  # trainable parameters outside the blocks: where the forward reads them last
-        storage_key(p): p for p in model.parameters() if p.requires_grad and id(p) not in inside
+        storage_key(p): p for p in params if p.requires_grad and id(p) not in inside
     }
     outside_params.pop(None, None)
     with preserved_state(model):
@@ -107,14 +108,14 @@ def probe_step(
         batch_bytes = unique_storage_bytes(batch_tensors)
         tracker.limit_bytes = None if room_bytes is None else room_bytes - batch_bytes
         tracker.ledger.param_last = dict.fromkeys(outside_params)
-        probe = Probe(model, blocks, tracker, flops, names, work, batch_keys, OpProfileRecorder())
+        probe = Probe(model, blocks, tracker, flops, names, work, batch_keys, OpProfileRecorder(), params)
         handles = _watch_python_state(blocks, watch := PythonStateWatch(len(blocks)))
         handles += _watch_written_state(blocks, written := WrittenStateWatch(len(blocks)))
         # the probe's window holds the whole block call, as an applied plan's region does (`probe_hooks`)
         sites = CallSites(blocks, names=names)
         handles += hook_calls(sites, probe.pre_hook, probe.post_hook, with_kwargs=True, prepend=True, strict=True)
         handles += [b.register_forward_pre_hook(probe.parameters_seen) for b in distinct(blocks)]
-        handles += [p.register_post_accumulate_grad_hook(probe.grad_accumulated) for p in model.parameters() if p.requires_grad]
+        handles += [p.register_post_accumulate_grad_hook(probe.grad_accumulated) for p in params if p.requires_grad]
         try:
             with tracker:
                 with torch.autograd.graph.saved_tensors_hooks(probe.pack, probe.unpack):

@@ -64,8 +64,9 @@ def preserved_state(model: nn.Module) -> Iterator[None]:
             yield
         finally:
             failed: list[str] = []
-            for item in held:
-                _restore(item, failed)
+            with torch.no_grad():  # (one context for every buffer's copy)
+                for item in held:
+                    _restore(item, failed)
             for (name, p), g, r in zip(named, grads, requires):
                 try:  # (each item restored whatever the others do: failures are reported together)
                     _restore_grad(p, g, r)
@@ -130,16 +131,16 @@ def _restore(item: _HeldTensor, failed: list[str]) -> None:
 
 
 def _put_back(item: _HeldTensor) -> None:
+    """Put one buffer back; the caller runs it without grad."""
     table = getattr(item.module, item.kind)
     if table.get(item.name) is not item.obj:  # rebound by assignment in forward (or deleted)
         table[item.name] = item.obj
     if item.copy is None:
         return
-    with torch.no_grad():
-        if tuple(item.obj.shape) != item.shape:  # resized in forward: take the old shape and values back
-            item.obj.set_(item.copy)
-        else:
-            item.obj.copy_(item.copy)
+    if tuple(item.obj.shape) != item.shape:  # resized in forward: take the old shape and values back
+        item.obj.set_(item.copy)
+    else:
+        item.obj.copy_(item.copy)
 
 
 def _restore_grad(p: torch.Tensor, grad: torch.Tensor | None, requires: bool) -> None:
@@ -149,6 +150,7 @@ def _restore_grad(p: torch.Tensor, grad: torch.Tensor | None, requires: bool) ->
 
 
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
+_PLAIN_TYPES = frozenset({bool, int, float, str, type(None)})  # (most attributes: one look-up, no isinstance)
 
 
 def _python_attributes(m: nn.Module) -> dict[str, tuple[str, Any]]:
@@ -158,7 +160,7 @@ def _python_attributes(m: nn.Module) -> dict[str, tuple[str, Any]]:
     for key, value in vars(m).items():
         if key in _MODULE_INTERNALS or key.startswith("__"):
             continue
-        if isinstance(value, (bool, int, float, str, type(None))):
+        if type(value) in _PLAIN_TYPES or isinstance(value, (bool, int, float, str, type(None))):
             saved[key] = ("plain", value)
         elif isinstance(value, torch.Tensor):
             saved[key] = ("tensor", value)
@@ -216,7 +218,20 @@ def unchanged_parameters(model: nn.Module) -> Iterator[None]:
 
 def _is_metric(m: nn.Module) -> bool:
     """A torchmetrics `Metric` (duck-typed: its states live outside buffers)."""
-    return isinstance(getattr(m, "_defaults", None), dict) and hasattr(m, "_update_count")
+    return isinstance(_defaults_of(m), dict) and hasattr(m, "_update_count")
+
+
+def _defaults_of(m: nn.Module) -> Any:
+    """`getattr(m, "_defaults", None)`. A module whose lookups are torch's own gets the plain lookup
+    only: torch's `__getattr__`, which a miss falls back to (and which formats an error message for
+    every module without one), returns a parameter, buffer or module, never a dict."""
+    cls = type(m)
+    if cls.__getattribute__ is not object.__getattribute__ or cls.__getattr__ is not nn.Module.__getattr__:
+        return getattr(m, "_defaults", None)
+    try:
+        return object.__getattribute__(m, "_defaults")
+    except AttributeError:
+        return None
 
 
 def _metric_state(m: nn.Module) -> dict:
