@@ -9,12 +9,16 @@ import re
 from collections import Counter
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from lightning_ckpt import auto_checkpoint, make_plan, measure_step_peak
+from lightning_ckpt.engine.shape_family import ShapeFamily, sample_key
 from lightning_ckpt.engine.step_profile import profile_model
 from lightning_ckpt.engine.target_plan import cost_at
 from lightning_ckpt.profiling.blocks import resolve_blocks
+from lightning_ckpt.profiling.shapes import BatchShape, axes_of, varying_positions
 from lightning_ckpt.profiling.static_memory import static_memory
 
 
@@ -171,3 +175,41 @@ def test_a_transient_that_no_polynomial_follows_is_held_in_reserve_and_every_ste
     fitted = next(d for d in plans.plans.values() if d.shape.shapes[0][2:] == (56, 64))
     held = re.search(r"and ([0-9.]+) (B|KiB) for the transients", fitted.source)
     assert fitted.source.startswith("fitted within") and held and float(held.group(1)) > 0, fitted.source
+
+
+_SIZES = st.sampled_from([16, 24, 32, 40])
+
+
+@st.composite
+def _shape_runs(draw):
+    """Shapes of one family as a run meets them: images whose height and width vary together or apart,
+    a batch size that changes now and then, a second tensor whose length sometimes follows the height,
+    and now and then a profile added or the token positions changed between costings."""
+    kind = draw(st.sampled_from(["square", "apart", "fixed", "channels"]))
+    events = []
+    for _ in range(draw(st.integers(1, 24))):
+        b = draw(st.sampled_from([1, 2, 4, 8])) if draw(st.booleans()) else 8
+        h = 32 if kind == "fixed" else draw(_SIZES)
+        w = draw(_SIZES) if kind in ("apart", "channels") else h
+        c = draw(st.sampled_from([3, 4])) if kind == "channels" else 3
+        extra = (5, h) if draw(st.integers(0, 9)) == 0 else (5, 7)
+        events.append((draw(st.sampled_from(["seen"] * 8 + ["profile", "tokens"])), BatchShape(b, ((b, c, h, w), (b,), extra))))
+    return draw(st.booleans()), events
+
+
+@settings(max_examples=150, deadline=None)
+@given(_shape_runs())
+def test_the_layout_refined_shape_by_shape_equals_the_layout_read_from_every_shape(run):
+    tokens, events = run
+    family = ShapeFamily()
+    family.tokens = ((0, 2),) if tokens else ()
+    for what, shape in events:
+        if what == "profile":
+            family.profiles[sample_key(shape)] = (shape, None, True)
+        elif what == "tokens":
+            family.tokens = ((0, 3),)
+        else:
+            family.seen.setdefault(sample_key(shape), shape)
+        shapes = list(family.seen.values()) + [s for s, _, _ in family.profiles.values()]
+        positions = (varying_positions(shapes) if len(shapes) > 1 else ()) or family.tokens
+        assert family._layout() == (positions, axes_of(shapes, positions))

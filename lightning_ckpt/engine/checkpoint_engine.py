@@ -15,7 +15,6 @@ the collectives and the messages. Nothing here imports Lightning.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +38,7 @@ from lightning_ckpt.profiling.profile_budget import ProfileBudget, ProfileBudget
 from lightning_ckpt.profiling.shapes import BatchShape, shape_of
 from lightning_ckpt.profiling.static_memory import StaticMemory
 from lightning_ckpt.engine.shape_plans import CostSource, ShapeDecision, ShapePlans, largest_shape, same_regions
+from lightning_ckpt.engine.shape_plans import met_again
 from lightning_ckpt.engine.shape_plans import describe as describe_decision
 from lightning_ckpt.engine.step_calls import new_step, read_calls
 
@@ -205,13 +205,15 @@ class CheckpointEngine:
 
         Collective on several ranks: every rank calls it at every step (the shapes are gathered)."""
         self._require_bound()
-        self._read_calls(batch)
-        self._new_step()
+        if not self._calls_read:  # read once after `bind`
+            self._read_calls(batch)
+        if self._applied is not None:  # a plan counts its block calls
+            self._new_step()
         self._follow_accumulation()
-        own = shape_of(batch)
+        own = shape_of(batch)  # read once: passed on to what plans it
         shapes = self.driver.all_gather(own)  # every rank's, so that all decide alike
-        shape = shapes[0] if len(set(shapes)) == 1 else largest_shape(shapes)
-        if self._in_place(shape):
+        shape = shapes[0] if len(shapes) == 1 or len(set(shapes)) == 1 else largest_shape(shapes)
+        if shape == self.shape and self._in_place(shape):  # the shape of the step before: nothing to do
             return None
         decision = self._plan_everywhere(batch, batch_idx, shapes, own)
         self._switch_to(decision, shape)
@@ -237,7 +239,7 @@ class CheckpointEngine:
             return None
         hit = self._shapes.cached(shape)
         if hit is not None:
-            decision = dataclasses.replace(hit, new=False)
+            decision = met_again(hit)
         else:
             plan = plan_on_rank_zero(lambda: self._shapes.plan_for(None, shape).plan, self.driver.broadcast, self.driver.rank)
             decision = self._shapes.settle(shape, plan)
@@ -295,7 +297,7 @@ class CheckpointEngine:
             return self._plan_largest(batch, shape, shapes, batch_idx)
         hit = self._shapes.cached(shape)
         if hit is not None:
-            return dataclasses.replace(hit, new=False)
+            return met_again(hit)
         self._shapes.grow_corners = len(shapes) == 1  # one process: see `ShapePlans.grow_corners`
         self._batch_idx = batch_idx  # profiling takes the applied plan off first (`_profile_shape`): a shape costed
         # from a fit keeps it, and when its plan has the same regions it is not applied again
@@ -330,7 +332,7 @@ class CheckpointEngine:
         largest = largest_shape(shapes)
         hit = self._shapes.cached(largest)
         if hit is not None:
-            return dataclasses.replace(hit, new=False)
+            return met_again(hit)
         self._batch_idx = batch_idx
         self.remove()
         if any(s not in self._shapes.profiled_shapes for s in shapes):

@@ -6,7 +6,6 @@ sizes or a little past them with a checked reserve, or the profile of a slightly
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -15,6 +14,7 @@ from dataclasses import dataclass, field
 from lightning_ckpt.costs.block_costs import StepCost
 from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.engine.length_profiles import EXTRAPOLATE, GROW, extrapolated
+from lightning_ckpt.planning.cost_combination import with_pre_saved
 from lightning_ckpt.planning.shape_grid import GridProfile, Reach
 from lightning_ckpt.planning.shape_profile import FIT_TOLERANCE, ShapeProfile, checked_bytes
 from lightning_ckpt.profiling.shapes import BatchShape, alignment, axes_of, length_of, point_of, varying_positions
@@ -61,21 +61,31 @@ class ShapeFamily:
 
     def _layout(self) -> tuple[tuple, tuple]:
         """(positions, axes), found again only when a shape or the tokens changed: costing one shape asks
-        for them several times, and each pass reads every shape seen."""
+        for them several times, and each pass reads every shape seen. Shapes only added to `seen` since
+        (each new shape of a run) refine the last answer (`_refined`) instead of reading every shape again."""
         seen = list(self.seen.values())
         profiled = [s for s, _, _ in self.profiles.values()]
         key = (seen, profiled, self.tokens)
         cached = self._fitted.get("layout")
-        if cached is None or cached[0] != key:
-            shapes = seen + profiled
-            positions = (varying_positions(shapes) if len(shapes) > 1 else ()) or self.tokens
-            self._fitted["layout"] = cached = (key, (positions, axes_of(shapes, positions)))
-        return cached[1]
+        if cached is not None:
+            (was_seen, was_profiled, was_tokens), found, columns = cached
+            if was_profiled == profiled and was_tokens == self.tokens and seen[: len(was_seen)] == was_seen:
+                if len(seen) == len(was_seen):
+                    return found
+                grown = None if columns is None else _refined(columns, seen[len(was_seen):])
+                if grown is not None:
+                    self._fitted["layout"] = (key, *grown)
+                    return grown[0]
+        shapes = seen + profiled
+        positions = (varying_positions(shapes) if len(shapes) > 1 else ()) or self.tokens
+        found = (positions, axes_of(shapes, positions))
+        self._fitted["layout"] = (key, found, _columns(shapes) if seen else None)
+        return found
 
     def length(self, shape: BatchShape) -> int | None:
         """`shape`'s size in the one varying length; None when nothing varies or several sizes vary apart."""
-        positions = self.positions()
-        if not positions or len(self.axes()) > 1:
+        positions, axes = self._layout()
+        if not positions or len(axes) > 1:
             return None
         return length_of(shape, positions)
 
@@ -92,7 +102,9 @@ class ShapeFamily:
     def grid(self) -> GridProfile | None:
         """The profiles (real batches and crops of them) as a function of the sizes on every axis; None
         with fewer than two axes."""
-        axes = self.axes()
+        return self._grid(self.axes())
+
+    def _grid(self, axes: tuple) -> GridProfile | None:
         key = ("grid", tuple(self.profiles), axes)
         cached = self._fitted.get("grid")
         if cached is None or cached[0] != key:
@@ -107,7 +119,11 @@ class ShapeFamily:
 
     def grid_reach(self, shape: BatchShape) -> tuple[GridProfile, Reach] | None:
         """How the fit over several sizes costs `shape`, when it can."""
-        p, grid = self.point(shape), self.grid()
+        return self._grid_reach(shape, self.axes())
+
+    def _grid_reach(self, shape: BatchShape, axes: tuple) -> tuple[GridProfile, Reach] | None:
+        p = point_of(shape, axes) if len(axes) > 1 else None
+        grid = self._grid(axes)
         reach = None if p is None or grid is None else grid.reach(p, shape.batch_size)
         return None if reach is None else (grid, reach)
 
@@ -139,7 +155,8 @@ class ShapeFamily:
         exact = self.profiles.get(sample_key(shape))
         if exact is not None and exact[2]:
             return exact[1].at, "profiled"
-        x = self.length(shape)
+        positions, axes = self._layout()  # as `length` and `grid_reach` read them: nothing below changes them
+        x = length_of(shape, positions) if positions and len(axes) <= 1 else None
         if x is not None:
             for own_only in (False, True):  # prefixes can differ from real batches (no padding left in them)
                 fitted = self.shape_profile(own_only)
@@ -158,7 +175,7 @@ class ShapeFamily:
                 found = extrapolated(self.shape_profile(own_only), x, shape.batch_size, EXTRAPOLATE if one else GROW)
                 if found is not None:
                     return found
-        reached = self.grid_reach(shape)
+        reached = self._grid_reach(shape, axes)
         if reached is not None:
             grid, reach = reached
             sizes = " x ".join(map(str, reach.point))
@@ -170,7 +187,7 @@ class ShapeFamily:
             )
             return functools.partial(_grid_cost, grid, reach), source
         own_shapes = [s for s, _, own in self.profiles.values() if own]
-        bound = _bounding(shape, own_shapes, self.positions())
+        bound = _bounding(shape, own_shapes, positions)
         if bound is not None:
             return self.profiles[sample_key(bound)][1].at, f"bounded by the profile at {bound.describe()}"
         return None
@@ -185,6 +202,59 @@ class ShapeFamily:
         return err is not None and err > FIT_TOLERANCE
 
 
+# What `_refined` carries from one answer of `ShapeFamily._layout` to the next: the first shape (whose batch
+# dimensions are left out), every other position of its layout, and for each position whose size varies a
+# label that two positions share exactly when their sizes agree in every shape so far (`axes_of`'s grouping).
+Columns = tuple[BatchShape, tuple[tuple[int, int], ...], dict]
+
+
+def _columns(shapes: list[BatchShape]) -> Columns | None:
+    """The labels of `shapes` (`Columns`), read from all of them; None when their layouts differ."""
+    first = shapes[0]
+    if any(not first.same_layout(s) for s in shapes):
+        return None
+    candidates = tuple(  # every position `varying_positions` reads: the batch dimensions left out
+        (i, d) for i, dims in enumerate(first.shapes) for d in range(len(dims))
+        if not (d == 0 and dims[0] == first.batch_size)
+    )
+    ids: dict[tuple[int, ...], int] = {}
+    labels = {}
+    for i, d in candidates:
+        column = tuple(s.shapes[i][d] for s in shapes)
+        if len(set(column)) > 1:
+            labels[(i, d)] = ids.setdefault(column, len(ids))
+    return first, candidates, labels
+
+
+def _refined(columns: Columns, added: list[BatchShape]) -> tuple[tuple[tuple, tuple], Columns] | None:
+    """((positions, axes), the labels) with `added` shapes joining those `columns` were read from: the answer of
+    `varying_positions` and `axes_of` over all of them, each added shape read once. A position varies once a shape
+    differs from the first there; a label splits by the added shape's size. None when there is no varying
+    position (the tokens stand in then) or an added shape has another layout: the caller reads every shape."""
+    first, candidates, labels = columns
+    for s in added:
+        if not first.same_layout(s):
+            return None
+        ids: dict[tuple, int] = {}
+        split = {}
+        for p in candidates:
+            i, d = p
+            n = s.shapes[i][d]
+            label = labels.get(p)
+            if label is not None:  # varying already: the same label while the sizes agree here too
+                split[p] = ids.setdefault((label, n), len(ids))
+            elif n != first.shapes[i][d]:  # the same size in every shape until this one
+                split[p] = ids.setdefault((None, first.shapes[i][d], n), len(ids))
+        labels = split
+    positions = tuple(p for p in candidates if p in labels)
+    if not positions:
+        return None
+    groups: dict[int, list[tuple[int, int]]] = {}
+    for p in positions:
+        groups.setdefault(labels[p], []).append(p)
+    return (positions, tuple(tuple(g) for g in groups.values())), (first, candidates, labels)
+
+
 def _grid_cost(grid: GridProfile, reach: Reach, batch_size: int, **step_fields) -> StepCost:
     return grid.cost(reach, batch_size, **step_fields)
 
@@ -197,7 +267,7 @@ def _with_reserve(
     fits even when the fit is off by that much."""
     cost = fitted.at(batch_size, length, **step_fields)
     reserve = int(math.ceil(err * sum(checked_bytes(cost)))) + transient_bytes
-    return dataclasses.replace(cost, pre_saved_bytes=cost.pre_saved_bytes + reserve)
+    return with_pre_saved(cost, reserve)
 
 
 def _bounding(shape: BatchShape, profiled: list[BatchShape], positions) -> BatchShape | None:

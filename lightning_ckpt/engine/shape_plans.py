@@ -71,6 +71,16 @@ class ShapeDecision:
     plan_s: float = 0.0
 
 
+def met_again(decision: ShapeDecision) -> ShapeDecision:
+    """A cached decision as a later batch of its shape meets it (`new` False): `dataclasses.replace(decision,
+    new=False)`, made directly (a step of a shape seen before costs little more than this), or the decision
+    itself when it says so already."""
+    if not decision.new:
+        return decision
+    return ShapeDecision(decision.shape, decision.plan, decision.source, False, decision.profiled_lengths,
+                         decision.profile_s, decision.plan_s)
+
+
 ProfileFn = Callable[[Any, bool], Profile]  # (batch, is its own shape) -> Profile
 PlanFn = Callable[[CostOf, BatchShape], Plan]
 MAX_GRID_POINTS = 12  # crops are cut only while a fit over several sizes has fewer points than this
@@ -121,7 +131,7 @@ class ShapePlans:
         shape = shape_of(batch) if shape is None else shape
         hit = self.cached(shape)
         if hit is not None:
-            return dataclasses.replace(hit, new=False)
+            return met_again(hit)
         family = self.families.get(layout_key(shape)) if shape.batch_size == 1 else None
         if family is not None:  # one sample: the lines of larger batches cost it when they can
             family.seen.setdefault(sample_key(shape), shape)
@@ -174,7 +184,8 @@ class ShapePlans:
         decision = self.plans.get(key)
         if decision is None:
             decision = ShapeDecision(shape, plan, "profiled", True)
-        decision = dataclasses.replace(decision, plan=plan)
+        elif decision.plan is not plan:  # one process: the very plan `plan_for` cached, kept as it is
+            decision = dataclasses.replace(decision, plan=plan)
         self.plans[key] = decision
         return decision
 

@@ -15,7 +15,7 @@ import numpy as np
 from lightning_ckpt.costs.block_costs import BlockCost, OpCost, StepCost
 from lightning_ckpt.costs.linear_fit import _BLOCK_LINEAR, _SIGNED_TIMES, _STEP_LINEAR, _TAILS, held_writes
 
-_OP_FIELDS = ("keep_bytes", "flops", "mem_bytes", "rng_bytes")
+_OP_FIELDS = ("keep_bytes", "flops", "mem_bytes", "rng_bytes")  # the op counts of each call, in this order
 _INT_STEP = (*_STEP_LINEAR, "post_forward_bytes")
 _INT_NAMES = tuple(f for f in _BLOCK_LINEAR if f != "fwd_ms")  # fwd_ms is the one linear float
 _OP_NAMES = tuple(f.name for f in dataclasses.fields(OpCost))
@@ -94,9 +94,11 @@ class CostCombination:
         np.fmax(y[:nc], 0.0, out=y[:nc])
         np.maximum(y[nc:], 0.0, out=y[nc:])
         ints = y.astype(np.int64).tolist() if y.max(initial=0.0) < 2.0**63 else list(map(int, y.tolist()))
-        counts, sizes, v = ints[:nc], iter(ints[nc:]), acc[ni:].tolist()
+        counts, sizes, v = ints[:nc], ints[nc:], acc[ni:].tolist()
         blocks = []
         n_int = len(_INT_NAMES)
+        k = 0  # the next op count: each op call takes the next four, in the order of `_OP_FIELDS`
+        new, setattr_ = object.__new__, object.__setattr__
         for base, at, peak, ms, signed, ops in self._blocks:
             kw = base.copy()
             kw.update(zip(_INT_NAMES, counts[at : at + n_int]))
@@ -111,10 +113,13 @@ class CostCombination:
             for tail, whole in _TAILS:
                 kw[tail] = min(kw[tail], kw[whole])
             made = []
-            for values in ops:
+            for values in ops:  # as `_filled(OpCost, values)` with the four sizes in, made inline (many per cost)
                 values = values.copy()
-                values.update(zip(_OP_FIELDS, sizes))  # `zip` stops at the fields: it takes 4 sizes, no more
-                made.append(_filled(OpCost, values))
+                values["keep_bytes"], values["flops"], values["mem_bytes"], values["rng_bytes"] = sizes[k : k + 4]
+                k += 4
+                op = new(OpCost)
+                setattr_(op, "__dict__", values)
+                made.append(op)
             kw["ops"] = tuple(made)
             # [exactness] every size above is a count >= 0 or the least of two, and every other field the first
             # cost's (checked when it was made): of `BlockCost`'s checks only the unsaved input can fail here
@@ -134,6 +139,20 @@ def _filled(cls: type, values: dict):
     made = object.__new__(cls)
     object.__setattr__(made, "__dict__", values)
     return made
+
+
+_STEP_FIELDS = tuple(f.name for f in dataclasses.fields(StepCost))
+
+
+def with_pre_saved(cost: StepCost, reserve: int) -> StepCost:
+    """`dataclasses.replace(cost, pre_saved_bytes=cost.pre_saved_bytes + reserve)`, made without `__init__`: every
+    other field is the cost's, and `StepCost`'s one check (the gradients outside the blocks) reads none of what
+    changes: it held when the cost was made."""
+    values = dict(cost.__dict__)
+    if len(values) != len(_STEP_FIELDS):  # an attribute beside the fields: `replace` drops it
+        return dataclasses.replace(cost, pre_saved_bytes=cost.pre_saved_bytes + reserve)
+    values["pre_saved_bytes"] = cost.pre_saved_bytes + reserve
+    return _filled(StepCost, values)
 
 
 def combine_costs(costs: Sequence[StepCost], w: Sequence[float]) -> StepCost:

@@ -155,8 +155,9 @@ def end_need(cost: StepCost) -> int:
     blocks leave resident: the forward with last step's gradients still allocated (when they
     are), the head's backward with the gradients it makes (all of them when the step
     accumulates), both with the carried storages alive then."""
-    head = max(post_forward(cost) + forward_grad_bytes(cost), cost.post_saved_bytes + head_grad_bytes(cost))
-    return base_bytes(cost) + head + cost.carried_end_bytes
+    terms = step_terms(cost)  # the planners ask for the kept elements of the same cost next
+    head = max(post_forward(cost) + terms.forward_grad_bytes, cost.post_saved_bytes + head_grad_bytes(cost))
+    return terms.base_bytes + head + cost.carried_end_bytes
 
 
 def end_relief(cost: StepCost, last_kept: bool) -> int:
@@ -352,9 +353,11 @@ def predict_peak(cost: StepCost, segments: Segments, keeps: Keeps | None = None,
     that reaches it (for backward, the last block of equal ones).
     """
     resident = 0
-    fwd, bwd, bwd_at = 0, base_bytes(cost), -1
+    fwd, bwd, bwd_at = 0, step_terms(cost).base_bytes, -1
     kept_last = False
-    for el, shift in plan_elements(cost, segments, keeps, inner):
+    # no segment: every element a kept block, none after a checkpointed one (each `boundary_shift` 0)
+    elements = plan_elements(cost, segments, keeps, inner) if segments else ((el, 0) for el in kept_elements(cost))
+    for el, shift in elements:
         fwd = max(fwd, resident + shift + el.forward_bytes)
         if resident + shift + el.backward_bytes >= bwd:
             bwd, bwd_at = resident + shift + el.backward_bytes, el.backward_block

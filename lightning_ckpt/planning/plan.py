@@ -83,6 +83,12 @@ class BlockRow:
 _ROW_FIELDS = tuple(f.name for f in dataclasses.fields(BlockRow))
 
 
+def _row_dict(row: BlockRow) -> dict:
+    """`dataclasses.asdict(row)`, without its deep copies: the row's own dict of fields, copied."""
+    values = row.__dict__
+    return dict(values) if len(values) == len(_ROW_FIELDS) else {f: getattr(row, f) for f in _ROW_FIELDS}
+
+
 @dataclass(frozen=True)
 class Plan:
     policy: str
@@ -218,7 +224,7 @@ class Plan:
             "recompute_est_ms": self.recompute_est_ms,
             "rates": self.rates,
             "fits": self.fits,
-            "rows": [{f: getattr(r, f) for f in _ROW_FIELDS} for r in self.rows],  # `asdict`, without its deep copies
+            "rows": [_row_dict(r) for r in self.rows],
             "granularity": self.granularity,
             "keeps": [[p, [list(k) for k in keys]] for p, keys in self.keeps],
             "gap": self.gap,

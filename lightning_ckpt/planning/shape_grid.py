@@ -15,7 +15,6 @@ reaches it and as far again on every other axis. Plain data, no torch.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ import numpy as np
 
 from lightning_ckpt.costs.block_costs import StepCost
 from lightning_ckpt.costs.linear_fit import Profile
-from lightning_ckpt.planning.cost_combination import CostCombination
+from lightning_ckpt.planning.cost_combination import CostCombination, with_pre_saved
 from lightning_ckpt.planning.shape_profile import FIT_TOLERANCE, checked_bytes, stacked, worst_misses
 
 MODELS = ("area", "area and its square", "bilinear", "quadratic")
@@ -86,6 +85,10 @@ class GridProfile:
     _models: dict = field(default_factory=dict, compare=False, repr=False)  # batch size -> (model, error) or None
     _transients: dict = field(default_factory=dict, compare=False, repr=False)  # batch size -> the chosen model's miss
     _costs: dict = field(default_factory=dict, compare=False, repr=False)
+    # what the points alone decide, read for every point costed: set once in `__post_init__`
+    _scale: Point = field(init=False, compare=False, repr=False)
+    _lowest: Point = field(init=False, compare=False, repr=False)
+    _at_point: dict = field(init=False, compare=False, repr=False)  # point -> its profile
 
     def __post_init__(self) -> None:
         pts = [p for p, _ in self.points]
@@ -94,17 +97,21 @@ class GridProfile:
         blocks = {p.n_blocks for _, p in self.points}
         if len(blocks) != 1:
             raise ValueError(f"profiles at different points disagree on the number of blocks: {sorted(blocks)}.")
+        axes = range(len(pts[0]))
+        object.__setattr__(self, "_scale", tuple(max(p[i] for p in pts) for i in axes))
+        object.__setattr__(self, "_lowest", tuple(min(p[i] for p in pts) for i in axes))
+        object.__setattr__(self, "_at_point", dict(self.points))
 
     @property
     def scale(self) -> tuple[int, ...]:
-        return tuple(max(p[i] for p, _ in self.points) for i in range(len(self.points[0][0])))
+        return self._scale
 
     @property
     def lowest(self) -> tuple[int, ...]:
-        return tuple(min(p[i] for p, _ in self.points) for i in range(len(self.points[0][0])))
+        return self._lowest
 
     def _matrix(self, model: str, pts: Sequence[Point]) -> np.ndarray:
-        scale = self.scale
+        scale = self._scale
         return np.array([features(model, [n / s for n, s in zip(p, scale)]) for p in pts], dtype=float)
 
     def model(self, batch_size: int) -> tuple[str, float] | None:
@@ -162,10 +169,11 @@ class GridProfile:
         """How the fit costs `point` at `batch_size`, or None: no model passes its check, or a size is more
         than `EXTRAPOLATE` times the largest profiled one on its axis."""
         chosen = self.model(batch_size)
-        if chosen is None or len(point) != len(self.scale):
+        scale = self._scale
+        if chosen is None or len(point) != len(scale):
             return None
-        raised = tuple(max(n, lo) for n, lo in zip(point, self.lowest))
-        stretch = max(1.0, *(n / s for n, s in zip(raised, self.scale)))
+        raised = tuple(max(n, lo) for n, lo in zip(point, self._lowest))
+        stretch = max(1.0, *(n / s for n, s in zip(raised, scale)))
         if stretch > EXTRAPOLATE:
             return None
         model, err = chosen
@@ -177,23 +185,24 @@ class GridProfile:
     def at(self, batch_size: int, point: Sequence[int], model: str, **step_fields) -> StepCost:
         """The step cost at `point`: its own profile where it was profiled, else the fit of `model`."""
         point = tuple(point)
-        exact = dict(self.points).get(point)
+        exact = self._at_point.get(point)
         if exact is not None:
             return exact.at(batch_size, **step_fields)
+        costs = self._costs
         key = (batch_size, point, model, tuple(sorted(step_fields.items())))
-        if key not in self._costs:
+        found = costs.get(key)
+        if found is None:
             line = (batch_size, key[3])
-            if line not in self._costs:  # each profile's line at this batch, gathered once for every point
-                self._costs[line] = CostCombination([p.at(batch_size, **step_fields) for _, p in self.points])
-            if model not in self._costs:  # the fit's weights are features @ pinv: pinv once per model
-                self._costs[model] = np.linalg.pinv(self._matrix(model, [p for p, _ in self.points]))
-            scale = self.scale
-            w = np.array(features(model, [n / s for n, s in zip(point, scale)])) @ self._costs[model]
-            self._costs[key] = self._costs[line].combine([float(v) for v in w])
-        return self._costs[key]
+            if line not in costs:  # each profile's line at this batch, gathered once for every point
+                costs[line] = CostCombination([p.at(batch_size, **step_fields) for _, p in self.points])
+            if model not in costs:  # the fit's weights are features @ pinv: pinv once per model
+                costs[model] = np.linalg.pinv(self._matrix(model, [p for p, _ in self.points]))
+            w = np.array(features(model, [n / s for n, s in zip(point, self._scale)])) @ costs[model]
+            costs[key] = found = costs[line].combine(w.tolist())
+        return found
 
     def cost(self, reach: Reach, batch_size: int, **step_fields) -> StepCost:
         """The cost at `reach.point` with its reserve held as resident bytes before the chain."""
         cost = self.at(batch_size, reach.point, reach.model, **step_fields)
         reserve = int(math.ceil(reach.reserve_share * sum(checked_bytes(cost)))) + reach.transient_bytes
-        return dataclasses.replace(cost, pre_saved_bytes=cost.pre_saved_bytes + reserve)
+        return with_pre_saved(cost, reserve)

@@ -72,9 +72,25 @@ class BatchShape:
         return cls(data["batch_size"], tuple(tuple(s) for s in shapes))
 
 
+def _gather(obj: Any, out: list[torch.Tensor]) -> None:
+    """`out.extend(tensors_in(obj))`, with plain tuples, lists and dicts walked here (a batch read at every step)."""
+    kind = type(obj)
+    if kind is tuple or kind is list:
+        for v in obj:
+            _gather(v, out)
+    elif kind is dict:
+        for v in obj.values():
+            _gather(v, out)
+    elif isinstance(obj, torch.Tensor):
+        out.append(obj)
+    else:  # any other container (a mapping, a dataclass, a namedtuple, ...) as `tensors_in` walks it
+        out.extend(tensors_in(obj))
+
+
 def shape_of(batch: Any) -> BatchShape:
     """The batch's shape (cheap: sizes only)."""
-    tensors = list(tensors_in(batch))
+    tensors: list[torch.Tensor] = []
+    _gather(batch, tensors)
     shapes = tuple(tuple(t.shape) for t in tensors)
     firsts = {s[0] for s in shapes if s}
     if len(firsts) == 1:  # every tensor with a dimension agrees (the common batch): no count needed

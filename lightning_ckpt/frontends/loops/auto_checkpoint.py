@@ -45,7 +45,8 @@ class CheckpointHandle:
 
     def __init__(self, engine: CheckpointEngine, driver: PlainDriver, check_shapes: bool, verbose: bool) -> None:
         self.engine, self._driver, self._verbose = engine, driver, verbose
-        self._inputs: list[BatchShape] = []  # model-input shapes of the planned steps
+        self._inputs: list[BatchShape] = []  # model-input shapes of the planned steps, each once
+        self._input_set: set[BatchShape] = set()  # the same, to find a shape met before at once
         self._expect = True  # the next training forward is a planned step's: record its inputs
         self._hook = driver.model.register_forward_pre_hook(self._guard, with_kwargs=True) if check_shapes else None
 
@@ -111,10 +112,12 @@ class CheckpointHandle:
             return
         shape = shape_of((args, kwargs))
         if self._expect:
-            self._inputs.append(shape)
+            if shape not in self._input_set:
+                self._input_set.add(shape)
+                self._inputs.append(shape)
             self._expect = False
             return
-        if any(_within(shape, planned) for planned in self._inputs):
+        if shape in self._input_set or any(_within(shape, planned) for planned in self._inputs):
             return
         raise RuntimeError(
             f"a training forward of {type(module).__name__} with inputs of shape ({shape.describe()}), larger than "
