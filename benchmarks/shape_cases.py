@@ -15,6 +15,7 @@ both clocks; the share is what compares). Profiles use `probe_batch_sizes=(2, 4)
 from __future__ import annotations
 
 import random
+import statistics
 import sys
 import time
 from collections import Counter
@@ -106,6 +107,13 @@ def main(runs: int = 3) -> None:
               f"{100 * r['lib'] / (r['lib'] + r['train']):.1f} % | {r['profiles']} | {', '.join(map(str, r['per100']))} | "
               f"{s['profiled']} / {s['fitted']} / {s['extrapolated']} / {s['bounded']} | {r['err']:.2f} % | "
               f"{r['over']}/{r['steps']} | {r['worst']:.3f} of {format_bytes(r['budget'])} | {r['cached']} |")
+    print()
+    for name in dict.fromkeys(r["case"] for r in rows):  # the share moves with the machine's load: every run's, together
+        mine = [r for r in rows if r["case"] == name]
+        shares = sorted(100 * r["lib"] / (r["lib"] + r["train"]) for r in mine)
+        pooled = 100 * sum(r["lib"] for r in mine) / sum(r["lib"] + r["train"] for r in mine)
+        print(f"{name}: library share over {len(mine)} runs: median {statistics.median(shares):.1f} %, "
+              f"range {shares[0]:.1f}-{shares[-1]:.1f} %, all runs' time together {pooled:.1f} %")
 
 
 if __name__ == "__main__":

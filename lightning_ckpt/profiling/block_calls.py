@@ -114,30 +114,36 @@ def hook_calls(
     with_kwargs: bool = False,
     prepend: bool = False,
     strict: bool = False,
+    pre_last: Callable[[int | None, nn.Module], Any] | None = None,
 ) -> list:
     """One forward pre-hook and one forward hook per module of `sites`: `pre(k, module, args[, kwargs])`
-    and `post(k, module, args, output)` for the calls that are entries (`k`). -> the handles."""
+    and `post(k, module, args, output)` for the calls that are entries (`k`). With `pre_last`, one more
+    pre-hook, after every other the module has: `pre_last(k, module)` for every call (`k` None: no entry).
+    -> the handles. Each hook is one Python call between the module and `pre` or `post`: they run
+    around every block call of every pass."""
     stacks: dict[int, list] = {}
     handles = []
+    next_call = sites.next_call
     for m in sites.modules:
+        stack = stacks.setdefault(id(m), [])
 
-        def before(module, args, kwargs=None):
-            k = sites.next_call(module, strict)
-            stacks.setdefault(id(module), []).append(k)
+        def before(module, args, kwargs=None, _stack=stack):
+            k = next_call(module, strict)
+            _stack.append(k)
             if k is not None and pre is not None:
                 return pre(k, module, args, kwargs) if with_kwargs else pre(k, module, args)
             return None
 
-        def after(module, args, output):
-            stack = stacks.get(id(module))
-            k = stack.pop() if stack else None
+        def after(module, args, output, _stack=stack):
+            k = _stack.pop() if _stack else None
             if k is not None and post is not None:
                 post(k, module, args, output)
 
-        if with_kwargs:
-            handles.append(m.register_forward_pre_hook(before, prepend=prepend, with_kwargs=True))
-        else:
-            handles.append(m.register_forward_pre_hook(lambda module, args, _b=before: _b(module, args), prepend=prepend))
+        handles.append(m.register_forward_pre_hook(before, prepend=prepend, with_kwargs=with_kwargs))
+        if pre_last is not None:
+            handles.append(m.register_forward_pre_hook(
+                lambda module, args, _stack=stack: pre_last(_stack[-1] if _stack else None, module)
+            ))
         handles.append(m.register_forward_hook(after, always_call=True))
     return handles
 

@@ -129,9 +129,14 @@ class Probe:
         self.next_block = i + 1
         if i > 0:
             self.gap_peak[i] = max(0, self.tracker.peak_bytes - self.live_exit[i - 1])
-        first = first_tensor(args) if args else first_tensor(kwargs)
-        rest = [t for t in tensors_in((args, kwargs)) if t is not first]
-        self.ledger.passed([storage_key(t) for t in ([first] if first is not None else []) + rest], i)
+        # the tensors of (args, kwargs) in order, walked once: the first argument's first, then the rest
+        in_args, in_kwargs = list(tensors_in(args)), list(tensors_in(kwargs))
+        first = (in_args[0] if in_args else None) if args else (in_kwargs[0] if in_kwargs else None)
+        passed = [t for t in in_args + in_kwargs if t is not first]
+        if first is not None:
+            passed.insert(0, first)
+        keys = [storage_key(t) for t in passed]
+        self.ledger.passed(keys, i)
         self.ledger.region = block_region(i)
         self.entry_tick[i] = self.ledger.mark()
         if i > 0:
@@ -140,7 +145,7 @@ class Probe:
         self.prev_output = None  # held no longer than the step holds it: its life is measured
         self.current = i
         self.parameters_seen(module)
-        self.input_key[i] = storage_key(first) if first is not None else None
+        self.input_key[i] = keys[0] if first is not None else None
         self.input_serial[i] = self.ledger.serial(self.input_key[i])
         in_batch = self.input_key[i] in self.batch_keys
         self.input_bytes[i] = storage_bytes(first) if first is not None and not in_batch else 0
@@ -167,7 +172,7 @@ class Probe:
     def parameters_seen(self, module, *args) -> None:
         """Know the block's parameters by identity. FSDP2 (like ZeRO-3) swaps in unsharded parameters
         in a pre-hook of its own, which runs after `pre_hook` (first of all) and before this one (last)."""
-        self.param_ids.update(id(p) for p in module.parameters())
+        self.param_ids.update(map(id, module.parameters()))
 
     def post_hook(self, i, module, args, output):
         out = first_tensor(output)
@@ -180,7 +185,8 @@ class Probe:
         self.prev_version = tensor_version(out)
         live = self.tracker.live_bytes
         self.output_bytes[i] = storage_bytes(out) if out is not None else 0
-        if out is not None and self.owner.get(storage_key(out)) == i:
+        key = storage_key(out) if out is not None else None
+        if out is not None and self.owner.get(key) == i:
             self.output_saved[i] = self.output_bytes[i]
         self.fwd_transient[i] = max(0, self.tracker.peak_bytes - live)
         self.fwd_flops[i] = self.flops.get_total_flops() - self.flops_at_entry[i]
@@ -191,13 +197,13 @@ class Probe:
         self.current = None
         if out is not None and out.requires_grad:
             out.register_hook(self._bwd_marker(i))
-        self.output_serial[i] = self.ledger.serial(storage_key(out)) if out is not None else None
+        self.output_serial[i] = self.ledger.serial(key) if out is not None else None
         self.ledger.region = gap_region(i + 1)
         self.exit_tick[i] = self.ledger.mark()
         self.live_exit[i] = live
         self.tracker.reset_peak()  # the gap's window (`gap_peak`), or the head's
         if i == self.n - 1:
-            self.live_after_last = live - (self.output_bytes[i] if self.tracker.is_live(storage_key(out)) else 0)
+            self.live_after_last = live - (self.output_bytes[i] if self.tracker.is_live(key) else 0)
             self.post_open = True
             self.tracker.reset_peak()
 
@@ -206,10 +212,10 @@ class Probe:
         key = storage_key(t)
         self.ledger.saved(key)
         if i is not None:
-            base = t if t._base is None else t._base
+            base = t._base
             activation = (
                 key is not None and key not in self.param_keys and key not in self.batch_keys
-                and id(base) not in self.param_ids
+                and id(t if base is None else base) not in self.param_ids
             )
             if activation:
                 first_owner = self.owner.get(key)
@@ -224,10 +230,11 @@ class Probe:
                     # [constraint] saved by the previous block too: counted there, and
                     # here only when that block is checkpointed and this one kept.
                     self.shared_keys[i].add(key)
-                    self.shared_prev[i] += storage_bytes(t)
-                    self.shared_serials[i].append((self.ledger.serial(key), storage_bytes(t)))
+                    nbytes = storage_bytes(t)
+                    self.shared_prev[i] += nbytes
+                    self.shared_serials[i].append((self.ledger.serial(key), nbytes))
             self.flops_at_last_pack[i] = self.flops.get_total_flops()
-            self.work_at_last_pack[i] = self._work()
+            self.work_at_last_pack[i] = self.work.snapshot() if self.work is not None else (0, 0)
             if self.op_profile is not None:
                 self.op_profile.packed(key if activation else None)
         return t

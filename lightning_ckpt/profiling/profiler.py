@@ -109,12 +109,8 @@ def probe_step(
         tracker.limit_bytes = None if room_bytes is None else room_bytes - batch_bytes
         tracker.ledger.param_last = dict.fromkeys(outside_params)
         probe = Probe(model, blocks, tracker, flops, names, work, batch_keys, OpProfileRecorder(), params)
-        handles = _watch_python_state(blocks, watch := PythonStateWatch(len(blocks)))
-        handles += _watch_written_state(blocks, written := WrittenStateWatch(len(blocks)))
-        # the probe's window holds the whole block call, as an applied plan's region does (`probe_hooks`)
-        sites = CallSites(blocks, names=names)
-        handles += hook_calls(sites, probe.pre_hook, probe.post_hook, with_kwargs=True, prepend=True, strict=True)
-        handles += [b.register_forward_pre_hook(probe.parameters_seen) for b in distinct(blocks)]
+        watch, written = PythonStateWatch(len(blocks)), WrittenStateWatch(len(blocks))
+        handles = _block_hooks(blocks, names, probe, watch, written)
         handles += [p.register_post_accumulate_grad_hook(probe.grad_accumulated) for p in params if p.requires_grad]
         try:
             with tracker:
@@ -201,17 +197,32 @@ def probe_step(
     )
 
 
-def _watch_python_state(blocks: Sequence[nn.Module], watch: PythonStateWatch) -> list:
-    """Hooks that record the Python state each block call writes (`PythonStateWatch`)."""
-    return hook_calls(CallSites(blocks), lambda i, m, _args: watch.before(i, m), lambda i, _m, _a, _o: watch.after(i))
+def _block_hooks(
+    blocks: Sequence[nn.Module], names: Sequence[str], probe: Probe, watch: PythonStateWatch, written: WrittenStateWatch
+) -> list:
+    """The probe's hooks on every block, with those that record the Python state (`PythonStateWatch`) and the
+    module state (`WrittenStateWatch`) each block call writes, in this order around the block's own hooks:
+    the probe's window first and last of all (it holds the whole block call, as an applied plan's region
+    does: `probe_hooks`), the module state inside it (a hook of the block's own that writes state counts
+    too), the Python state and the block's parameters (`Probe.parameters_seen`) after the block's own
+    pre-hooks. One call counts the block's calls for all of them."""
 
+    def pre(i, module, args, kwargs):
+        probe.pre_hook(i, module, args, kwargs)
+        written.before(i, module)
 
-def _watch_written_state(blocks: Sequence[nn.Module], watch: WrittenStateWatch) -> list:
-    """Hooks that record the module state each block call writes (`WrittenStateWatch`): first
-    and last of the block's hooks, so a hook of the block's own that writes state counts too."""
-    return hook_calls(
-        CallSites(blocks), lambda i, m, _args: watch.before(i, m), lambda i, _m, _a, _o: watch.after(i), prepend=True
-    )
+    def pre_last(i, module):
+        if i is not None:
+            watch.before(i, module)
+        probe.parameters_seen(module)
+
+    def post(i, module, args, output):
+        watch.after(i)
+        written.after(i)
+        probe.post_hook(i, module, args, output)
+
+    sites = CallSites(blocks, names=names)
+    return hook_calls(sites, pre, post, with_kwargs=True, prepend=True, strict=True, pre_last=pre_last)
 
 
 def _as_loss(out: Any) -> torch.Tensor:

@@ -68,14 +68,17 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 _DEVICES: dict[torch.device, tuple[str, bool]] = {}  # device -> (its name in keys, whether it is meta)
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})  # types that hold their own bytes (no DTensor is one)
 
 
 def storage_key(t: torch.Tensor) -> tuple[str, int] | None:
     """(device, data pointer) of the storage behind `t`; None for meta, empty or storage-less tensors
     (a storage FSDP2 freed by resizing it to 0 bytes, a wrapper subclass without data)."""
-    local = getattr(t, "_local_tensor", None)  # `local_tensor`, inline: this runs for every tensor of every op
+    if type(t) not in _PLAIN:  # `local_tensor`, inline: this runs for every tensor of every op
+        local = getattr(t, "_local_tensor", None)
+        t = local if isinstance(local, torch.Tensor) else t
     try:  # device names are kept: this runs for every tensor an op takes or makes
-        st = (local if isinstance(local, torch.Tensor) else t).untyped_storage()
+        st = t.untyped_storage()
         device = st.device
         found = _DEVICES.get(device)
         if found is None:
@@ -173,7 +176,7 @@ class LiveBytesTracker(TorchDispatchMode):
             key = storage_key(t)
         if key is None or key in self._live:
             return
-        st = local_tensor(t).untyped_storage()
+        st = (t if type(t) in _PLAIN else local_tensor(t)).untyped_storage()
         nbytes = int(st.nbytes())
         self._live[key] = nbytes
         live = self.live_bytes = self.live_bytes + nbytes
@@ -200,7 +203,7 @@ class LiveBytesTracker(TorchDispatchMode):
         live = self._live
         if self.ledger is None and all(key is None or key in live for key in keys):
             return out  # nothing to count: the inputs' storages need not be read
-        inputs = {storage_key(t) for t in flat_tensors((args, kwargs))}
+        inputs = {storage_key(t) for t in (flat_tensors((args, kwargs)) if kwargs else flat_tensors(args))}
         if self.ledger is not None:
             self.ledger.used(inputs)
         for t, key in zip(outs, keys):
