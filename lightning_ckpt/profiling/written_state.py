@@ -155,99 +155,34 @@ class WrittenStateWatch:
     """The state each block's forward writes, during a profiled step: `before(i, block)` as block i's
     forward starts (its first pre-hook), `after(i)` as it ends. `bytes[i]` and `names[i]` then hold
     the bytes a snapshot of it takes (`slot_bytes`) and the slots, as "path.name" under the block.
-    The copies it compares with are made with every dispatch mode off, so no profiler counts them.
-    It reads and compares the slots as `fingerprint` and `written_slots` do, on plain tuples."""
+    The copies it compares with are made with every dispatch mode off, so no profiler counts them."""
 
     def __init__(self, n_blocks: int) -> None:
         self.bytes = [0] * n_blocks
-        self._written: list[list[tuple[nn.Module, list[tuple[nn.Module, str]]]]] = [[] for _ in range(n_blocks)]
-        self._open: dict[int, tuple[nn.Module, list[nn.Module], dict]] = {}
-
-    @property
-    def names(self) -> list[tuple[str, ...]]:
-        """Per block, the slots its calls wrote, as "path.name" under the block, sorted."""
-        out = []
-        for calls in self._written:
-            found: set[str] = set()
-            for block, slots in calls:
-                paths = {id(m): p for p, m in block.named_modules()}
-                found.update(f"{paths[id(m)]}.{name}".lstrip(".") for m, name in slots)
-            out.append(tuple(sorted(found)))
-        return out
+        self.names: list[tuple[str, ...]] = [()] * n_blocks
+        self._open: dict[int, tuple[nn.Module, list[nn.Module], Fingerprint]] = {}
 
     def before(self, i: int, block: nn.Module) -> None:
         modules = slot_modules([block])
-        places = _slot_tensors(modules)  # (reads module tables only: no op runs)
-        if not places:  # nothing to copy: the modes need not be left
+        slots = state_slots(modules)  # (reads module tables only: no op runs)
+        if not slots:  # nothing to copy: the modes need not be left
             self._open[i] = (block, modules, {})
             return
-        with _modes_off([place[4] for place in places]), torch.no_grad():
-            self._open[i] = (block, modules, _fingerprint(places))
+        with _modes_off([get_slot(s) for s in slots]), torch.no_grad():
+            self._open[i] = (block, modules, fingerprint(slots))
 
     def after(self, i: int) -> None:
         if i not in self._open:
             return
         block, modules, before = self._open.pop(i)
         if before:
-            with _modes_off([entry[3] for entry in before.values()]), torch.no_grad():
-                written = _written(before, modules)
+            with _modes_off([entry[1] for entry in before.values()]), torch.no_grad():
+                written = written_slots(before, modules)
         else:  # no slot to compare (no op runs): only slots the forward created
-            written = _written(before, modules)
-        seen: set[int] = set()
-        total = 0
-        for _m, _name, t in written:  # (`slot_bytes`)
-            if t is None or id(t) in seen:
-                continue
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
-        self.bytes[i] = max(self.bytes[i], total)
-        if written:
-            self._written[i].append((block, [(m, name) for m, name, _t in written]))
-
-
-def _slot_tensors(modules: Iterable[nn.Module]) -> list[tuple[tuple[int, str, str], nn.Module, str, str, Any]]:
-    """(slot key, module, kind, name, what `get_slot` reads) of each slot `state_slots` finds, in its order."""
-    out = []
-    for m in modules:
-        for name, buf in m._buffers.items():
-            if buf is not None:
-                out.append(((id(m), BUFFER, name), m, BUFFER, name, buf if isinstance(buf, torch.Tensor) else None))
-        for name, value in vars(m).items():
-            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
-                out.append(((id(m), ATTRIBUTE, name), m, ATTRIBUTE, name, value))
-    return out
-
-
-def _fingerprint(places: list) -> dict:
-    """`fingerprint` of the slots at `places` (`_slot_tensors`): slot key -> (module, kind, name, object,
-    version, shape, copy)."""
-    out = {}
-    copies: dict[int, torch.Tensor] = {}
-    for key, m, kind, name, t in places:
-        if t is None:
-            out[key] = (m, kind, name, None, -1, (), None)
-            continue
-        if id(t) not in copies:
-            copies[id(t)] = t.detach().clone()
-        out[key] = (m, kind, name, t, t._version, tuple(t.shape), copies[id(t)])
-    return out
-
-
-def _written(before: dict, modules: Iterable[nn.Module]) -> list[tuple[nn.Module, str, Any]]:
-    """(module, name, tensor now) of each slot `written_slots` finds, from `_fingerprint`'s `before`."""
-    out = []
-    created = _slot_tensors(modules)
-    for m, kind, name, obj, version, shape, copy in before.values():
-        value = (m._buffers if kind == BUFFER else vars(m)).get(name)  # (`get_slot`)
-        now = value if isinstance(value, torch.Tensor) else None
-        moved = obj is not None and (
-            obj._version != version or tuple(obj.shape) != shape or not _same_values(copy, obj)
-        )
-        if moved or now is not obj:
-            out.append((m, name, now))
-    seen: set = set()
-    for key, m, _kind, name, t in created:
-        if key not in before and key not in seen:
-            seen.add(key)
-            out.append((m, name, t))
-    return out
+            written = written_slots(before, modules)
+        self.bytes[i] = max(self.bytes[i], slot_bytes(written))
+        if not written:
+            return
+        paths = {id(m): p for p, m in block.named_modules()}
+        found = (f"{paths[id(s.module)]}.{s.name}".lstrip(".") for s in written)
+        self.names[i] = tuple(sorted({*self.names[i], *found}))
