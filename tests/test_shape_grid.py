@@ -66,7 +66,11 @@ def test_a_term_in_each_size_apart_needs_a_richer_model_and_too_few_points_check
     grid = _grid([*CROPS, (48, 64)], bilinear)
     assert grid.model(8)[0] == "bilinear"  # 'area' misses the term in the height
     assert grid.errors(8)["area"] > FIT_TOLERANCE
-    assert _grid(CROPS[:3]).model(8) is None  # two features need two points beyond them for the check
+    assert _grid(CROPS[:2]).model(8) is None  # two features need a point beyond them for the check
+    assert _grid(CROPS[:3]).model(8) is None  # two of the same area cannot tell the area's term from the constant
+    three = [(64, 48), (32, 48), (32, 24)]  # each predicted by the line through the other two
+    assert _grid(three).model(8) == ("area", 0.0)
+    assert _grid(three, bilinear).model(8) is None and _grid(three, bilinear).errors(8)["area"] > FIT_TOLERANCE
     assert _grid([(32, 24), (64, 48), (128, 96), (16, 12)]).model(8) is not None
 
 
@@ -90,7 +94,7 @@ def test_image_height_and_width_are_separate_axes_once_one_batch_is_not_square_a
     assert axes == (((0, 2), (1, 1)), ((0, 3), (1, 2)))
     assert point_of(shapes[-1], axes) == (40, 56)
     assert alignment([32, 48, 40]) == 8 and alignment([37, 40]) == 1
-    assert crop_points((40, 56), (8, 8)) == [(24, 56), (40, 32), (24, 32)]
+    assert crop_points((40, 56), (8, 8)) == [(24, 32), (24, 56), (40, 32)]
     part = crop(batches[1], axes, (24, 32))
     assert [tuple(t.shape) for t in part] == [(4, 3, 24, 32), (4, 24, 32)]
 

@@ -27,7 +27,8 @@ from lightning_ckpt.planning.cost_combination import CostCombination, with_pre_s
 from lightning_ckpt.planning.shape_profile import FIT_TOLERANCE, checked_bytes, stacked, worst_misses
 
 MODELS = ("area", "area and its square", "bilinear", "quadratic")
-CHECK_POINTS = 2  # points beyond a model's features: each held-out point is predicted from an over-determined fit
+CHECK_POINTS = 1  # a point beyond a model's features: each point is predicted from the others, as for one length
+# (`shape_profile.MIN_FIT_LENGTHS`); a point that misses fails the model, and further points keep refining it
 EXTRAPOLATE = 1.25  # a point may be this many times the largest profiled size on each axis
 
 GROW = 1.5  # a point at most this far past the profiled sizes is profiled at `grown_point`; farther, at itself

@@ -216,15 +216,16 @@ def alignment(sizes: Sequence[int], most: int = 8) -> int:
 
 def crop_points(point: Sequence[int], aligned: Sequence[int]) -> list[tuple[int, ...]]:
     """Smaller points to crop a batch at `point` to, so that a fit over several sizes can be made and checked:
-    each axis halved alone, then all halved (each rounded to its axis's alignment), distinct, not the point."""
+    all halved, then each axis halved alone (each rounded to its axis's alignment), distinct, not the point.
+    The first reaches lowest on every axis at once: the sizes below the smallest profiled are costed raised to
+    it (`planning.shape_grid`), so one crop that fits the model leaves the fewest sizes over-counted."""
     def half(i: int) -> int:
         a = aligned[i]
         return max(a, int(point[i] / 2 / a + 0.5) * a)
 
-    out: list[tuple[int, ...]] = []
+    out: list[tuple[int, ...]] = [tuple(half(j) for j in range(len(point)))]
     for i in range(len(point)):
         out.append(tuple(half(j) if j == i else n for j, n in enumerate(point)))
-    out.append(tuple(half(j) for j in range(len(point))))
     seen = {tuple(point)}
     return [p for p in out if not (p in seen or seen.add(p))]
 
