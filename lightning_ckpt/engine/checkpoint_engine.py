@@ -15,6 +15,7 @@ the collectives and the messages. Nothing here imports Lightning.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,7 @@ from lightning_ckpt.engine.rank_zero import plan_on_rank_zero
 from lightning_ckpt.apply.recompute_errors import explain_checkpoint_error
 from lightning_ckpt.engine.measured_steps import MeasuredStep, Reserves, judge_step
 from lightning_ckpt.engine.model_prep import Prepared, prepare_model
+from lightning_ckpt.engine.planned_costs import PlannedCosts
 from lightning_ckpt.engine.target_plan import plan_for_max, plan_for_target
 from lightning_ckpt.costs.block_costs import StepCost
 from lightning_ckpt.costs.linear_fit import Profile
@@ -37,8 +39,7 @@ from lightning_ckpt.profiling.layer_skipping import find_layer_skipping
 from lightning_ckpt.profiling.profile_budget import ProfileBudget, ProfileBudgetError, batch_bytes
 from lightning_ckpt.profiling.shapes import BatchShape, shape_of
 from lightning_ckpt.profiling.static_memory import StaticMemory
-from lightning_ckpt.engine.shape_plans import CostSource, ShapeDecision, ShapePlans, largest_shape, same_regions
-from lightning_ckpt.engine.shape_plans import met_again
+from lightning_ckpt.engine.shape_plans import CostSource, ShapeDecision, ShapePlans, largest_shape, met_again, same_regions
 from lightning_ckpt.engine.shape_plans import describe as describe_decision
 from lightning_ckpt.engine.step_calls import new_step, read_calls
 
@@ -64,7 +65,7 @@ class CheckpointEngine:
         self._told: set[str] = set() if told is None else told
         self._applied: AppliedPlan | None = None
         self._static: StaticMemory | None = None
-        self._costs: dict[BatchShape, StepCost] = {}
+        self._costs = PlannedCosts()  # each planned shape's cost while its plan is cached; plans of equal costs
         self._cost: StepCost | None = None
         self._rates: MachineRates | None = None
         self._find_max = False
@@ -90,7 +91,7 @@ class CheckpointEngine:
         self.close()
         signature = block_signature(names, blocks)
         if self._shapes is None or signature != self._bound:  # other blocks: what was profiled is void
-            self.profile, self._costs, self._cost = None, {}, None
+            self.profile, self._costs, self._cost = None, PlannedCosts(), None
             self._shapes = ShapePlans(self._profile_shape, self._plan_shape, room_fn=self._pass_room)
             self._calls_read = False
         self._shapes.forget_plans()
@@ -285,7 +286,7 @@ class CheckpointEngine:
             self.remove()
             self._applied = self.driver.apply(self.blocks, self.block_names, plan, self.settings.guard_batchnorm)
         self.plan, self.shape = plan, shape
-        self._cost = self._costs.get(shape, self._cost)
+        self._cost = self._costs.by_shape.get(shape, self._cost)
 
     def _plan_everywhere(
         self, batch: Any, batch_idx: int, shapes: list[BatchShape], shape: BatchShape | None = None
@@ -314,7 +315,7 @@ class CheckpointEngine:
                 self._shapes.add_profile(resumed.profile_shape, resumed.profile)
                 self.profile = resumed.profile
             if resumed is not None and resumed.plan is not None:  # checked for this very shape: no profile
-                self._costs[shape] = resumed.cost
+                self._costs.by_shape[shape] = resumed.cost
                 return resumed.plan
             return self._shapes.plan_for(batch, shape).plan
 
@@ -434,8 +435,9 @@ class CheckpointEngine:
                 "when they arrive at that size, and one that cannot fit stops the run before its step."
             )
         else:
-            try:
-                plan, cost = plan_for_target(costs, self._static, request, shape.batch_size)
+            make = functools.partial(plan_for_target, costs, self._static, request, shape.batch_size)
+            try:  # the plan of a shape whose cost equals an earlier one's is that shape's (`planned_costs`)
+                plan, cost = self._costs.plan(cost_of, shape, (request, self._static, costs.grads_accumulate), make)
             except InfeasibleBudgetError as err:
                 note = "" if "allow_python_state" in str(err) else self._held_note()
                 longest = self.longest_length(shape) if shape.batch_size == 1 else None
@@ -443,6 +445,6 @@ class CheckpointEngine:
                     note += (f" At batch 1 the longest sequence (or packed row) that fits is {longest} tokens; "
                              "cut or pack the sequences to that length.")
                 raise InfeasibleBudgetError(f"the training batch of shape ({shape.describe()}): {err}{note}") from None
-        self._costs[shape] = cost
+        self._costs.keep(shape, cost, self._shapes.is_cached)
         self._cost = cost
         return plan

@@ -126,6 +126,10 @@ class ShapePlans:
     def cached(self, shape: BatchShape) -> ShapeDecision | None:
         return self.plans.used((sample_key(shape), shape.batch_size))
 
+    def is_cached(self, shape: BatchShape) -> bool:
+        """Whether `shape`'s plan is cached (its use left as it was)."""
+        return (sample_key(shape), shape.batch_size) in self.plans
+
     def plan_for(self, batch: Any, shape: BatchShape | None = None) -> ShapeDecision:
         """The plan for `batch`'s shape: cached, or costed (profiling the batch when needed) and planned."""
         shape = shape_of(batch) if shape is None else shape

@@ -31,6 +31,7 @@ CHECK_POINTS = 1  # a point beyond a model's features: each point is predicted f
 # (`shape_profile.MIN_FIT_LENGTHS`); a point that misses fails the model, and further points keep refining it
 EXTRAPOLATE = 1.25  # a point may be this many times the largest profiled size on each axis
 
+MAX_COSTS = 512  # points' costs kept for when they are costed again
 GROW = 1.5  # a point at most this far past the profiled sizes is profiled at `grown_point`; farther, at itself
 
 Point = tuple[int, ...]
@@ -85,7 +86,8 @@ class GridProfile:
     points: tuple[tuple[Point, Profile], ...]
     _models: dict = field(default_factory=dict, compare=False, repr=False)  # batch size -> (model, error) or None
     _transients: dict = field(default_factory=dict, compare=False, repr=False)  # batch size -> the chosen model's miss
-    _costs: dict = field(default_factory=dict, compare=False, repr=False)
+    _costs: dict = field(default_factory=dict, compare=False, repr=False)  # each line and model's weights
+    _point_costs: dict = field(default_factory=dict, compare=False, repr=False)  # at most `MAX_COSTS`
     # what the points alone decide, read for every point costed: set once in `__post_init__`
     _scale: Point = field(init=False, compare=False, repr=False)
     _lowest: Point = field(init=False, compare=False, repr=False)
@@ -183,15 +185,24 @@ class GridProfile:
         transient = int(math.ceil(self._transients[batch_size] * stretch**2))
         return Reach(raised, stretch, model, err, share, transient)
 
+    def cost_key(self, reach: Reach) -> tuple:
+        """What `cost(reach, ...)` reads besides the batch size: the profile at a profiled point, else the
+        model's features at the point; and the reserve. Points of equal keys cost the same step."""
+        if reach.point in self._at_point:
+            where: tuple = ("profiled", reach.point)
+        else:
+            where = (reach.model, tuple(features(reach.model, [n / s for n, s in zip(reach.point, self._scale)])))
+        return (*where, reach.reserve_share, reach.transient_bytes)
+
     def at(self, batch_size: int, point: Sequence[int], model: str, **step_fields) -> StepCost:
         """The step cost at `point`: its own profile where it was profiled, else the fit of `model`."""
         point = tuple(point)
         exact = self._at_point.get(point)
         if exact is not None:
             return exact.at(batch_size, **step_fields)
-        costs = self._costs
+        costs, points = self._costs, self._point_costs
         key = (batch_size, point, model, tuple(sorted(step_fields.items())))
-        found = costs.get(key)
+        found = points.get(key)
         if found is None:
             line = (batch_size, key[3])
             if line not in costs:  # each profile's line at this batch, gathered once for every point
@@ -199,7 +210,10 @@ class GridProfile:
             if model not in costs:  # the fit's weights are features @ pinv: pinv once per model
                 costs[model] = np.linalg.pinv(self._matrix(model, [p for p, _ in self.points]))
             w = np.array(features(model, [n / s for n, s in zip(point, self._scale)])) @ costs[model]
-            costs[key] = found = costs[line].combine(w.tolist())
+            found = costs[line].combine(w.tolist())
+            if len(points) >= MAX_COSTS:  # the oldest first: a run of many shapes holds no cost without bound
+                del points[next(iter(points))]
+            points[key] = found
         return found
 
     def cost(self, reach: Reach, batch_size: int, **step_fields) -> StepCost:
