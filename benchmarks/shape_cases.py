@@ -1,6 +1,6 @@
 """New shapes at run time: a multi-scale CNN (height and width drawn apart) and lengths that keep growing.
 
-    OMP_NUM_THREADS=1 python benchmarks/shapes.py --case new-shapes   # both cases (about 2 min)
+    OMP_NUM_THREADS=1 python benchmarks/shapes.py --case new-shapes --runs 5   # both cases (about 4 min)
 
 Each case trains with `auto_checkpoint` in a plain loop and times, step by step, `handle.step(batch)` (the
 library: profiling, costing, planning, switching; the first profile inside `auto_checkpoint` included) apart
@@ -10,10 +10,11 @@ peak is measured by the live-storage tracker (`measure_step_peak`, state put bac
 same run but outside both clocks. Each case runs `--runs` times, each run in a process of its own, as a
 training run is (the machine's load moves both clocks; the share is what compares). Run one after the
 other in one process, the multi-scale runs' profiling took 0.26-0.35 s in the first run and 0.37-0.56 s in
-the three after it (two processes of four runs), the training as fast: oneDNN's primitive cache (1024
-kernels) is full from their first profile on. With ONEDNN_PRIMITIVE_CACHE_CAPACITY=65536 the later runs
-were not slower (0.34 s, then 0.26, 0.29, 0.28 s: their kernels cached by the first). The cases take turns. Profiles use `probe_batch_sizes=(2, 4)`: with the default (1, 2) and
-`check_batch_size=4` each profile runs a third pass, the check slice, which (2, 4) makes one of the probes.
+the three after it (two processes of four runs), the training 0-15 % longer: oneDNN's primitive cache
+(1024 kernels) is full from their first profile on. With ONEDNN_PRIMITIVE_CACHE_CAPACITY=65536 the later
+runs were not slower (0.34 s, then 0.26, 0.29, 0.28 s: their kernels cached by the first). The cases take
+turns. Profiles use `probe_batch_sizes=(2, 4)`: with the default (1, 2) and `check_batch_size=4` each
+profile runs a third pass, the check slice, which (2, 4) makes one of the probes.
 """
 
 from __future__ import annotations
