@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import gc
 import random
+import weakref
 
 import pytest
 import torch
@@ -67,6 +69,25 @@ def test_other_inputs_a_profiled_point_or_a_cost_not_from_the_grid_are_planned_a
     planned.plan(own, _image_shape(32, 24), "inputs", lambda: make(own))
     assert len(calls) == 7 and planned.shared == 0
     assert cost_key(exact) != cost_key(mirror) and cost_key(own) is None
+
+
+def test_a_shared_plan_holds_no_fit_alive_and_a_new_fit_is_never_taken_for_an_old_one():
+    planned, calls = PlannedCosts(), []
+
+    def make(cost_of):
+        calls.append(1)
+        return make_plan(cost_of(8), "none"), cost_of(8)
+
+    grid = _grid(CROPS)
+    held, a = weakref.ref(grid), _cost_of(grid, (40, 56))
+    planned.plan(a, _image_shape(40, 56), "inputs", lambda: make(a))
+    del grid, a
+    gc.collect()
+    assert held() is None
+    other = _grid(CROPS, lambda p: 50 * p[0] * p[1])  # made after the first is gone: its own number, its own plans
+    b = _cost_of(other, (40, 56))
+    planned.plan(b, _image_shape(40, 56), "inputs", lambda: make(b))
+    assert len(calls) == 2 and planned.shared == 0
 
 
 @settings(max_examples=60, deadline=None)

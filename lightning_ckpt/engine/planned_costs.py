@@ -25,7 +25,7 @@ class PlannedCosts:
 
     def __init__(self, max_plans: int = MAX_PLANS) -> None:
         self.by_shape: dict[BatchShape, StepCost] = {}
-        self._shared = PlanCache(max_plans)  # (cost key, batch size, inputs) -> (plan, cost, cost_of)
+        self._shared = PlanCache(max_plans)  # (cost key, batch size, inputs) -> (plan, cost)
         self.shared = 0  # plans taken from a shape of equal cost
 
     def plan(
@@ -39,10 +39,10 @@ class PlannedCosts:
             found = self._shared.used(key)
             if found is not None:
                 self.shared += 1
-                return found[0], found[1]
+                return found
         plan, cost = make()
-        if key is not None:  # `cost_of` keeps alive the fit whose identity the key holds
-            self._shared[key] = (plan, cost, cost_of)
+        if key is not None:
+            self._shared[key] = (plan, cost)
         return plan, cost
 
     def keep(self, shape: BatchShape, cost: StepCost, cached: Callable[[BatchShape], bool]) -> None:

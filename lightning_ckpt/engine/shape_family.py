@@ -260,12 +260,11 @@ def _grid_cost(grid: GridProfile, reach: Reach, batch_size: int, **step_fields) 
 
 
 def cost_key(cost_of: CostOf) -> tuple | None:
-    """What a cost from a fit over several sizes depends on (`GridProfile.cost_key`, and that fit): costs of
-    equal keys are equal at every batch size. None for the others (a profile's own, a fit in one length:
-    a shape each)."""
+    """What a cost from a fit over several sizes depends on (`GridProfile.cost_key`): costs of equal keys are
+    equal at every batch size. None for the others (a profile's own, a fit in one length: a shape each)."""
     if isinstance(cost_of, functools.partial) and cost_of.func is _grid_cost:
         grid, reach = cost_of.args
-        return (id(grid), *grid.cost_key(reach))
+        return grid.cost_key(reach)
     return None
 
 

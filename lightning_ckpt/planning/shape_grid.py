@@ -15,6 +15,7 @@ reaches it and as far again on every other axis. Plain data, no torch.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ CHECK_POINTS = 1  # a point beyond a model's features: each point is predicted f
 EXTRAPOLATE = 1.25  # a point may be this many times the largest profiled size on each axis
 
 MAX_COSTS = 512  # points' costs kept for when they are costed again
+_SERIALS = itertools.count()
 GROW = 1.5  # a point at most this far past the profiled sizes is profiled at `grown_point`; farther, at itself
 
 Point = tuple[int, ...]
@@ -92,6 +94,7 @@ class GridProfile:
     _scale: Point = field(init=False, compare=False, repr=False)
     _lowest: Point = field(init=False, compare=False, repr=False)
     _at_point: dict = field(init=False, compare=False, repr=False)  # point -> its profile
+    serial: int = field(init=False, compare=False, repr=False)  # this fit's own number in the process (`cost_key`)
 
     def __post_init__(self) -> None:
         pts = [p for p, _ in self.points]
@@ -104,6 +107,7 @@ class GridProfile:
         object.__setattr__(self, "_scale", tuple(max(p[i] for p in pts) for i in axes))
         object.__setattr__(self, "_lowest", tuple(min(p[i] for p in pts) for i in axes))
         object.__setattr__(self, "_at_point", dict(self.points))
+        object.__setattr__(self, "serial", next(_SERIALS))
 
     @property
     def scale(self) -> tuple[int, ...]:
@@ -186,13 +190,14 @@ class GridProfile:
         return Reach(raised, stretch, model, err, share, transient)
 
     def cost_key(self, reach: Reach) -> tuple:
-        """What `cost(reach, ...)` reads besides the batch size: the profile at a profiled point, else the
-        model's features at the point; and the reserve. Points of equal keys cost the same step."""
+        """What `cost(reach, ...)` reads besides the batch size: this fit (`serial`, never reused, so a key
+        holds no fit alive), the profile at a profiled point, else the model's features at the point; and the
+        reserve. Points of equal keys cost the same step."""
         if reach.point in self._at_point:
             where: tuple = ("profiled", reach.point)
         else:
             where = (reach.model, tuple(features(reach.model, [n / s for n, s in zip(reach.point, self._scale)])))
-        return (*where, reach.reserve_share, reach.transient_bytes)
+        return (self.serial, *where, reach.reserve_share, reach.transient_bytes)
 
     def at(self, batch_size: int, point: Sequence[int], model: str, **step_fields) -> StepCost:
         """The step cost at `point`: its own profile where it was profiled, else the fit of `model`."""
