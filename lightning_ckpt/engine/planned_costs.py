@@ -50,7 +50,3 @@ class PlannedCosts:
         self.by_shape[shape] = cost
         if len(self.by_shape) > 2 * self._shared.max_plans:
             self.by_shape = {s: c for s, c in self.by_shape.items() if s == shape or cached(s)}
-
-    def clear(self) -> None:
-        self.by_shape.clear()
-        self._shared.clear()
