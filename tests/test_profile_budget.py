@@ -15,6 +15,7 @@ import contextlib
 import gc
 import re
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -23,7 +24,9 @@ from hf_models import LitHF, PaddedTextData, tiny_bert
 from lit_models import make_trainer
 from malloc_oracle import MallocPeak, heap_in_use_bytes
 from models import TinyChain, tokens_batch
+import torch.utils._pytree as pytree
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from train_encoder import EncoderClassifier
 
 from lightning_ckpt import ActivationCheckpointing, auto_checkpoint, make_plan
@@ -285,3 +288,71 @@ def test_the_callback_profiles_hf_bert_within_the_budget_by_malloc_at_its_first_
     assert [length for length, _ in cb.heap_peaks] == [96, 128] and cb.profiled_steps == 2
     for length, peak in cb.heap_peaks:
         assert peak <= WITHIN * budget, f"at length {length}: {peak / MiB:.2f} MiB, budget {budget / MiB:.2f} MiB"
+
+
+class _SavesOwnOutputs(nn.Module):
+    """Blocks whose ops save their own results for backward (`exp`, `sigmoid`, `softmax`), as attention
+    does: under a saved-tensor hook that holds the tensor, each such node and its result hold each other."""
+
+    def __init__(self, n: int = 4, width: int = 64) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(n))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.softmax(block(x).exp().sigmoid(), dim=-1)
+        return x.sum()
+
+
+class _StorageRecorder(TorchDispatchMode):
+    """Weak references to every storage an op makes while active (not the inputs' own, which views and in-place
+    ops return): which of them are still alive later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: list[tuple[weakref.ref, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:  # (views, in-place)
+                st = t.untyped_storage()
+                self.refs.append((weakref.ref(st), st.nbytes()))
+        return out
+
+    def alive_bytes(self) -> int:
+        seen: dict[int, int] = {}
+        for ref, nbytes in self.refs:
+            st = ref()
+            if st is not None and st.nbytes() > 0:
+                seen[st.data_ptr()] = nbytes
+        return sum(seen.values())
+
+
+def test_a_pass_stopped_at_its_limit_leaves_nothing_of_its_forward_alive():
+    """The pass is stopped half way through its forward (no backward runs): every storage it made is
+    freed once it returns, also those whose node saved them (a loop through autograd's graph that
+    Python's garbage collector cannot see). Counted by weak references to the storages, not by the
+    library."""
+    from lightning_ckpt.profiling.profiler import probe_step
+    from lightning_ckpt.profiling.tracker import LiveBytesOverLimit
+
+    torch.manual_seed(0)
+    model = _SavesOwnOutputs()
+    x = torch.randn(256, 64)
+    full = probe_step(model, list(model.blocks), model, x, timing=False)
+    room = full.meta["pass_bytes"] // 2
+    recorder = _StorageRecorder()
+    stopped = None
+    with recorder:
+        try:
+            probe_step(model, list(model.blocks), model, x, timing=False, room_bytes=room)
+        except LiveBytesOverLimit as err:  # (its traceback, which holds the frames, is not kept)
+            stopped = str(err)
+    assert stopped is not None and "over the limit" in stopped
+    gc.collect()
+    made = sum(nbytes for _, nbytes in recorder.refs)
+    assert made > room // 2  # the pass ran a good part of its forward
+    assert recorder.alive_bytes() == 0
+    assert all(p.grad is None for p in model.parameters())

@@ -7,6 +7,7 @@ once (`#nogradk` for its k-th call with autograd off).
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,7 +70,7 @@ class _Recorder:
         self.stack: list[int] = []
         self.outside = 0
         self.seen: set = set(skip_keys)
-        self.held: list = []  # the saved storages, alive while the forward runs
+        self.watched: list = []  # weak references to the saved storages, each dropping its key when it dies
         self.skip_ids = {id(p) for p in model.parameters()}
 
     def pre(self, module: nn.Module, args: Any) -> None:
@@ -91,10 +92,11 @@ class _Recorder:
                 self.calls[self.stack[-1]][4] += storage_bytes(t)
             else:
                 self.outside += storage_bytes(t)
-        # the storage is held until the recorder goes (so that its address is not reused and counted
-        # as seen), the tensor is not: a node holding its own output as a Python object (what returning
-        # `t` stores) is a cycle through the autograd graph that is never freed; no backward runs
-        self.held.append(t.untyped_storage())
+            # Nothing holds the storage: the forward holds no more than its tensors still in use (a
+            # node holding its own output as a Python object, what returning `t` stores, would also
+            # be a cycle through the autograd graph that is never freed: no backward runs). When it
+            # dies its key is forgotten, so that a new storage at its address counts as new.
+            self.watched.append(weakref.ref(t.untyped_storage(), lambda _ref, key=key: self.seen.discard(key)))
         return None
 
 

@@ -13,6 +13,7 @@ the forward hooks registered before it (the output as the caller receives it).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,15 @@ from lightning_ckpt.profiling.op_profile import OpProfileRecorder
 from lightning_ckpt.profiling.tracker import LiveBytesTracker, storage_bytes, storage_key
 
 __all__ = ["Probe"]
+
+
+class _Saved:
+    """One tensor saved for backward, held by the probe so that it can let go of it (`Probe.release`)."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor: torch.Tensor | None = tensor
 
 
 class Probe:
@@ -114,6 +124,7 @@ class Probe:
         self.input_unsaved = [0] * n
         self.gap_peak = [0] * n  # peak of the modules between block k - 1 and block k, above their start
         self.live_exit = [0] * n
+        self.packed: list[weakref.ref] = []  # what the pass saved for backward (`release`)
 
     # forward
     def pre_hook(self, i, module, args, kwargs):
@@ -237,11 +248,29 @@ class Probe:
             self.work_at_last_pack[i] = self.work.snapshot() if self.work is not None else (0, 0)
             if self.op_profile is not None:
                 self.op_profile.packed(key if activation else None)
-        return t
+        return self._hold(t)
+
+    def _hold(self, t: torch.Tensor) -> _Saved:
+        saved = _Saved(t)
+        self.packed.append(weakref.ref(saved))  # weakly: the graph alone decides how long it lives
+        return saved
 
     @staticmethod
-    def unpack(t):
-        return t
+    def unpack(saved: _Saved) -> torch.Tensor:
+        return saved.tensor
+
+    def release(self) -> None:
+        """Let go of every tensor the pass saved, and of the block outputs the probe holds. A pack hook that
+        holds a tensor its own op made closes a loop through autograd's C++ graph (node -> saved variable ->
+        tensor -> node), and a block output holds the probe through its gradient hook while the probe holds
+        it: Python's garbage collector sees neither loop, and only a backward opens the first. A pass stopped
+        before its backward (at the room's limit, or by an error) would leave its whole graph alive."""
+        self.prev_output = self.last_output = None
+        for ref in self.packed:
+            saved = ref()
+            if saved is not None:
+                saved.tensor = None
+        self.packed.clear()
 
     def _work(self) -> tuple[int, int]:
         return self.work.snapshot() if self.work is not None else (0, 0)

@@ -133,6 +133,7 @@ def probe_step(
                     "a block that runs only for some batches cannot be one: leave it out of blocks=[...]."
                 )
         finally:
+            probe.release()  # a pass stopped before its backward leaves no graph alive
             for h in handles:
                 h.remove()
         held = grad_held_bytes(model.parameters())  # what each gradient the backward made holds
