@@ -73,6 +73,12 @@ class StorageLedger:
         if self.forward:
             self.died_in[s] = self.region
 
+    def rename(self, key, new_key) -> None:
+        """The storage at `key` goes on under `new_key` (`tracker.LiveBytesTracker.rename`)."""
+        s = self._serial.pop(key, None)
+        if s is not None:
+            self._serial[new_key] = s
+
     def used(self, keys) -> None:
         if not self.forward:
             return

@@ -25,18 +25,10 @@ from lightning_ckpt.profiling.chain_check import receives_output, tensor_version
 from lightning_ckpt.profiling.lifetimes import PRE, Marks, StorageLedger, block_region, carried_terms, gap_region, held_rise, is_local
 from lightning_ckpt.profiling.op_bytes import WorkTally
 from lightning_ckpt.profiling.op_profile import OpProfileRecorder
+from lightning_ckpt.profiling.recompute_probe import RecomputedSaves, SavedBox
 from lightning_ckpt.profiling.tracker import LiveBytesTracker, storage_bytes, storage_key
 
 __all__ = ["Probe"]
-
-
-class _Saved:
-    """One tensor saved for backward, held by the probe so that it can let go of it (`Probe.release`)."""
-
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor: torch.Tensor | None = tensor
 
 
 class Probe:
@@ -125,6 +117,7 @@ class Probe:
         self.gap_peak = [0] * n  # peak of the modules between block k - 1 and block k, above their start
         self.live_exit = [0] * n
         self.packed: list[weakref.ref] = []  # what the pass saved for backward (`release`)
+        self.saves: RecomputedSaves | None = None  # set for a pass under checkpointing (`recompute_probe`)
 
     # forward
     def pre_hook(self, i, module, args, kwargs):
@@ -174,6 +167,8 @@ class Probe:
         if self.op_profile is not None:
             self.op_profile.begin()
             self.work.on_op = self._record_op
+        if self.saves is not None:
+            self.saves.enter(i, module, args, kwargs)
 
     def _record_op(self, func, args, kwargs, outs, flops, mem, rng) -> None:
         """`op_profile.record`, given the storage keys `work` has for the op already."""
@@ -248,16 +243,26 @@ class Probe:
             self.work_at_last_pack[i] = self.work.snapshot() if self.work is not None else (0, 0)
             if self.op_profile is not None:
                 self.op_profile.packed(key if activation else None)
-        return self._hold(t)
+            if self.saves is not None:  # under checkpointing: a storage the block made is let go at its end
+                s = self.ledger.serial(key) if activation else None
+                box = self.saves.box(t, i, s is not None and self.ledger.born_in[s] == block_region(i))
+                self.packed.append(weakref.ref(box))
+                return box
+        box = SavedBox(t, None, -1)
+        self.packed.append(weakref.ref(box))  # weakly: the graph alone decides how long it lives
+        return box
 
-    def _hold(self, t: torch.Tensor) -> _Saved:
-        saved = _Saved(t)
-        self.packed.append(weakref.ref(saved))  # weakly: the graph alone decides how long it lives
-        return saved
+    def unpack(self, box: SavedBox) -> torch.Tensor:
+        return box.tensor if self.saves is None else self.saves.unpack(box)
 
-    @staticmethod
-    def unpack(saved: _Saved) -> torch.Tensor:
-        return saved.tensor
+    def rename(self, key: Any, new_key: Any) -> None:
+        """A storage let go under checkpointing died and is counted on under `new_key`: so is it here."""
+        if key in self.owner:
+            self.owner[new_key] = self.owner.pop(key)
+        for keys in self.shared_keys:
+            if key in keys:
+                keys.discard(key)
+                keys.add(new_key)
 
     def release(self) -> None:
         """Let go of every tensor the pass saved, and of the block outputs the probe holds. A pack hook that

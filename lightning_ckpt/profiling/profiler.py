@@ -17,6 +17,7 @@ budget, it holds every probe to it (`profile_budget`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,6 +39,7 @@ from lightning_ckpt.profiling.lifetimes import StorageLedger
 from lightning_ckpt.profiling.op_profile import OpProfileRecorder
 from lightning_ckpt.profiling.probe_counters import ProbeCounters
 from lightning_ckpt.profiling.probe_hooks import Probe
+from lightning_ckpt.profiling.recompute_probe import RecomputedSaves
 from lightning_ckpt.profiling.profile_budget import NoRoom, ProfileBudget, SliceRoom, check_within, optional_pass, probe_within
 from lightning_ckpt.profiling.profile_budget import AT_LIMIT, SampleTooLong, released, smaller_probes
 from lightning_ckpt.profiling.state import preserved_state
@@ -88,10 +90,13 @@ def probe_step(
     names: Sequence[str] | None = None,
     timing: bool = True,
     room_bytes: int | None = None,
+    recompute: bool = False,
 ) -> StepCost:
     """Measure one forward+backward of `step_fn(batch)`; leaves all state as found. With `room_bytes`,
     the pass (the batch included) is stopped by `LiveBytesOverLimit` once it holds more
-    (`profile_budget`); `meta["pass_bytes"]` is the most it held."""
+    (`profile_budget`); `meta["pass_bytes"]` is the most it held. With `recompute`, the pass holds no
+    block's saved tensors past its forward and rebuilds them in the backward (`recompute_probe`): the
+    same measurements, at about the memory of the `full` plan."""
     blocks = list(blocks)
     names = list(names) if names is not None else [f"block{i}" for i in range(len(blocks))]
     batch_n = batch_size_of(batch)
@@ -110,7 +115,10 @@ def probe_step(
         tracker.ledger.param_last = dict.fromkeys(outside_params)
         probe = Probe(model, blocks, tracker, flops, names, work, batch_keys, OpProfileRecorder(), params)
         watch, written = PythonStateWatch(len(blocks)), WrittenStateWatch(len(blocks))
-        handles = _block_hooks(blocks, names, probe, watch, written)
+        sites = CallSites(blocks, names=names)
+        if recompute:
+            probe.saves = RecomputedSaves(tracker, probe.rename, functools.partial(_run_again, sites))
+        handles = _block_hooks(sites, probe, watch, written)
         handles += [p.register_post_accumulate_grad_hook(probe.grad_accumulated) for p in params if p.requires_grad]
         try:
             with tracker:
@@ -134,13 +142,15 @@ def probe_step(
                 )
         finally:
             probe.release()  # a pass stopped before its backward leaves no graph alive
+            if probe.saves is not None:
+                probe.saves.release()
             for h in handles:
                 h.remove()
         held = grad_held_bytes(model.parameters())  # what each gradient the backward made holds
         outside = {key: _held_bytes(p, held) for key, p in outside_params.items()}
         fwd_ms = _time_blocks(model, blocks, step_fn, batch) if timing else [0.0] * len(blocks)
         ckpt_peaks = _nosave_forward_peaks(blocks, step_fn, batch)
-        pass_bytes = batch_bytes + tracker.max_live_bytes
+        pass_bytes = batch_bytes + tracker.max_held_bytes
         terms, gaps, late = probe.account_carried(model, forward_end, backward_end, ckpt_peaks, outside)
         probe.hold_in_head(terms.carried, forward_end)
 
@@ -194,13 +204,18 @@ def probe_step(
         post_saved_bytes=probe.post_peak,
         post_forward_bytes=probe.post_fwd_peak,
         carried_end_bytes=terms.end,
-        meta={"step_fwd_flops": int(step_fwd_flops), "work": work.dominant(), "pass_bytes": pass_bytes},
+        meta={"step_fwd_flops": int(step_fwd_flops), "work": work.dominant(), "pass_bytes": pass_bytes,
+              **({"under_checkpointing": True} if recompute else {})},
     )
 
 
-def _block_hooks(
-    blocks: Sequence[nn.Module], names: Sequence[str], probe: Probe, watch: PythonStateWatch, written: WrittenStateWatch
-) -> list:
+def _run_again(sites: CallSites, i: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Call block `i` again as its forward did (the entry told to the hooks, which stay quiet)."""
+    sites.cursor = i
+    module(*args, **kwargs)
+
+
+def _block_hooks(sites: CallSites, probe: Probe, watch: PythonStateWatch, written: WrittenStateWatch) -> list:
     """The probe's hooks on every block, with those that record the Python state (`PythonStateWatch`) and the
     module state (`WrittenStateWatch`) each block call writes, in this order around the block's own hooks:
     the probe's window first and last of all (it holds the whole block call, as an applied plan's region
@@ -208,21 +223,30 @@ def _block_hooks(
     too), the Python state and the block's parameters (`Probe.parameters_seen`) after the block's own
     pre-hooks. One call counts the block's calls for all of them."""
 
+    saves = probe.saves
+
     def pre(i, module, args, kwargs):
+        if saves is not None and saves.recomputing:
+            return
         probe.pre_hook(i, module, args, kwargs)
         written.before(i, module)
 
     def pre_last(i, module):
+        if saves is not None and saves.recomputing:
+            return
         if i is not None:
             watch.before(i, module)
         probe.parameters_seen(module)
 
     def post(i, module, args, output):
+        if saves is not None and saves.recomputing:
+            return
         watch.after(i)
         written.after(i)
         probe.post_hook(i, module, args, output)
+        if saves is not None:
+            saves.leave(i, replayable=not watch.reasons[i])
 
-    sites = CallSites(blocks, names=names)
     return hook_calls(sites, pre, post, with_kwargs=True, prepend=True, strict=True, pre_last=pre_last)
 
 

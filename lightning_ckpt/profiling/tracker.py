@@ -141,6 +141,13 @@ class LiveBytesTracker(TorchDispatchMode):
         self.peak_bytes = 0
         self.limit_bytes: int | None = None
         self.max_live_bytes = 0  # the most seen while active, whatever `reset_peak` did
+        # Storages counted live that the step no longer holds (a pass under checkpointing lets a block's
+        # saved tensors go and counts them on, `recompute_probe`), and what it holds besides the tracked:
+        # the limit and `max_held_bytes` are of what is really held.
+        self.released_bytes = 0
+        self.extra_held_bytes = 0
+        self.max_held_bytes = 0
+        self.on_death: Any = None  # key -> True when the death is taken over (counted on under a new key)
         self._live: dict[tuple[str, int], int] = {}
         self._finalizers: list[weakref.ref] = []
 
@@ -161,7 +168,21 @@ class LiveBytesTracker(TorchDispatchMode):
         """Whether the storage with this `storage_key` is counted in `live_bytes` now."""
         return key in self._live
 
+    def held_bytes(self) -> int:
+        """What the step really holds now: the live bytes less those let go, plus the held untracked."""
+        return self.live_bytes - self.released_bytes + self.extra_held_bytes
+
+    def rename(self, key: Any, new_key: Any) -> int:
+        """Count the storage at `key` on under `new_key` (its own storage died) -> its bytes."""
+        nbytes = self._live.pop(key)
+        self._live[new_key] = nbytes
+        if self.ledger is not None:
+            self.ledger.rename(key, new_key)
+        return nbytes
+
     def _free(self, key: tuple[str, int]) -> None:
+        if self.on_death is not None and self.on_death(key):
+            return
         nbytes = self._live.pop(key, None)
         if nbytes is not None:
             self.live_bytes -= nbytes
@@ -188,9 +209,12 @@ class LiveBytesTracker(TorchDispatchMode):
             self.ledger.born(key, nbytes)
         # a weak reference whose callback frees it (what `weakref.finalize` does, for a fraction of its cost)
         self._finalizers.append(weakref.ref(st, lambda _ref, key=key: self._free(key)))
-        if self.limit_bytes is not None and self.live_bytes > self.limit_bytes:
+        held = live - self.released_bytes + self.extra_held_bytes
+        if held > self.max_held_bytes:
+            self.max_held_bytes = held
+        if self.limit_bytes is not None and held > self.limit_bytes:
             raise LiveBytesOverLimit(
-                f"live tensor bytes reached {self.live_bytes} with a storage of {nbytes} bytes, over the limit of "
+                f"live tensor bytes reached {held} with a storage of {nbytes} bytes, over the limit of "
                 f"{self.limit_bytes} bytes"
             )
 

@@ -1,0 +1,241 @@
+"""A profiling pass under checkpointing: it measures what the unplanned step holds while holding no more
+than the `full` plan does.
+
+Every tensor the step saves for backward is held in a `SavedBox` (the probe's saved-tensor hook makes one).
+With `RecomputedSaves`, when a block's forward ends, the boxes of the tensors made in it let go of them,
+as a checkpointed block keeps none of what it saves; when the backward first needs one, the block is
+run again as a module call, on the arguments, RNG state and autocast state of its forward, with all
+dispatch modes off, and its saved tensors, in the order they were saved, stand in for the ones let go
+(what torch's non-reentrant checkpoint does). The live-bytes tracker meanwhile counts each storage let go
+as alive for exactly as long as the unplanned step would hold it (until its box dies with its node, or
+the step lets go of it, whichever is later): a storage that dies while still counted is counted on
+under a key of its own (`LiveBytesTracker.rename`), so that a new storage at its address is a new one.
+Every field the probe measures is then the unplanned step's, while the memory really held (the tracker's
+`held_bytes`: less what was let go, plus the block rebuilt) is what the tracker's limit bounds. A block
+whose forward writes Python state a second run would repeat keeps its tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
+
+from lightning_ckpt.profiling.tracker import LiveBytesTracker, storage_bytes, storage_key, unique_storage_bytes
+
+__all__ = ["RecomputeMismatch", "RecomputedSaves", "SavedBox"]
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+_released_keys = itertools.count()
+
+
+class RecomputeMismatch(RuntimeError):
+    """A block run again saved other tensors than its forward did (another number, shape or dtype)."""
+
+
+class SavedBox:
+    """One tensor saved for backward, held by the probe (`tensor` None once let go). `block`, `index`:
+    the block call it was saved in (None: outside every block) and its place among that call's saves."""
+
+    __slots__ = ("tensor", "block", "index", "shape", "dtype", "hold", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, block: int | None, index: int) -> None:
+        self.tensor: torch.Tensor | None = tensor
+        self.block, self.index = block, index
+        self.shape, self.dtype = tensor.shape, tensor.dtype
+        self.hold: _Hold | None = None
+
+
+@dataclass(eq=False)
+class _Hold:
+    """A storage whose saved tensors were let go: how many boxes still stand for it, and whether the
+    storage itself is gone (then the tracker counts it under `key`, a key of its own)."""
+
+    key: Any
+    boxes: int = 0
+    gone: bool = False
+    nbytes: int = 0
+
+
+@dataclass(eq=False)
+class _Call:
+    """What a block call needs to run again as its forward did."""
+
+    module: nn.Module
+    args: tuple
+    kwargs: dict
+    cpu_rng: torch.Tensor
+    cuda_rng: torch.Tensor | None
+    autocast: tuple
+
+
+def _autocast_state() -> tuple:
+    return tuple(
+        (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES
+    )
+
+
+class RecomputedSaves:
+    """The saved tensors of one pass under checkpointing (see the module's docstring).
+
+    `rename(key, new_key)`: the probe's own maps keyed by storage follow a storage counted on under a new
+    key. `run_again(block, module, args, kwargs)`: calls the block as its forward did, with the probe's
+    hooks quiet. `limit_bytes`: what the pass may hold (None: unbounded)."""
+
+    def __init__(self, tracker: LiveBytesTracker, rename: Callable[[Any, Any], None],
+                 run_again: Callable[[int, nn.Module, tuple, dict], Any]) -> None:
+        self.tracker = tracker
+        self._rename = rename
+        self._run_again = run_again
+        self.holds: dict[Any, _Hold] = {}  # storage key -> its hold, while the storage lives
+        self.calls: dict[int, _Call] = {}
+        self.boxes: dict[int, list[SavedBox]] = {}  # the boxes of the block call running now
+        self.open: dict[int, int] = {}  # block -> its boxes let go and not dead yet
+        self.rebuilt: dict[int, list[torch.Tensor]] = {}
+        self.rebuilt_bytes: dict[int, int] = {}
+        self.recomputing = False
+        self.blocks_let_go = 0
+        tracker.on_death = self._death
+
+    # -- the forward
+    def enter(self, i: int, module: nn.Module, args: tuple, kwargs: dict | None) -> None:
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        self.calls[i] = _Call(module, args, dict(kwargs or {}), torch.get_rng_state(), cuda, _autocast_state())
+        self.boxes[i] = []
+
+    def box(self, t: torch.Tensor, i: int | None, droppable: bool) -> SavedBox:
+        if i is None or i not in self.boxes:
+            return SavedBox(t, None, -1)
+        boxes = self.boxes[i]
+        box = SavedBox(t, i, len(boxes))
+        boxes.append(box)
+        if not droppable:
+            box.block = None  # kept: it is never rebuilt
+        return box
+
+    def leave(self, i: int, replayable: bool) -> None:
+        """Block call `i`'s forward is over: its boxes let go of what it made (not when a run again would
+        repeat a Python state write: it keeps them, as every plan keeps that block)."""
+        boxes = self.boxes.pop(i, [])
+        if not replayable:
+            self.calls.pop(i, None)
+            return
+        dropped = [b for b in boxes if b.block is not None]
+        if not dropped:
+            self.calls.pop(i, None)
+            return
+        for b in dropped:  # every hold first: a storage may die as soon as its last box lets go
+            key = storage_key(b.tensor)
+            hold = self.holds.get(key)
+            if hold is None:
+                hold = self.holds[key] = _Hold(key, nbytes=storage_bytes(b.tensor))
+            hold.boxes += 1
+            b.hold = hold
+            weakref.finalize(b, self._box_died, hold, i).atexit = False
+        self.open[i] = len(dropped)
+        self.blocks_let_go += 1
+        for b in dropped:
+            b.tensor = None
+
+    def _death(self, key: Any) -> bool:
+        """The tracker saw the storage at `key` die: counted on while a box stands for it."""
+        hold = self.holds.pop(key, None)
+        if hold is None or hold.boxes == 0 or not self.tracker.is_live(key):
+            return False
+        new_key = ("released", next(_released_keys))
+        hold.nbytes = self.tracker.rename(key, new_key)
+        hold.key, hold.gone = new_key, True
+        self.tracker.released_bytes += hold.nbytes
+        self._rename(key, new_key)
+        return True
+
+    def _box_died(self, hold: _Hold, block: int) -> None:
+        hold.boxes -= 1
+        if hold.boxes == 0:
+            if hold.gone:
+                self.tracker.released_bytes -= hold.nbytes
+                self.tracker._free(hold.key)
+            elif self.holds.get(hold.key) is hold:
+                del self.holds[hold.key]  # the step still holds it: its death is the tracker's as usual
+        left = self.open.get(block)
+        if left is not None:
+            self.open[block] = left - 1
+            if left == 1:  # the block's backward is over: what was rebuilt for it goes
+                self._drop_rebuilt(block)
+
+    # -- the backward
+    def unpack(self, box: SavedBox) -> torch.Tensor:
+        if box.tensor is not None:
+            return box.tensor
+        i = box.block
+        assert i is not None
+        if i not in self.rebuilt:
+            self._rebuild(i)
+        rebuilt = self.rebuilt[i]
+        found = rebuilt[box.index] if box.index < len(rebuilt) else None
+        if found is None or found.shape != box.shape or found.dtype != box.dtype:
+            got = "nothing" if found is None else f"{tuple(found.shape)} {found.dtype}"
+            raise RecomputeMismatch(
+                f"block call {i} run again saved {got} as its tensor {box.index}, where its forward saved "
+                f"{tuple(box.shape)} {box.dtype}: its forward depends on something besides its arguments, RNG and "
+                "autocast state"
+            )
+        return found
+
+    def _rebuild(self, i: int) -> None:
+        call = self.calls[i]
+        saved: list[torch.Tensor] = []
+
+        def keep(t: torch.Tensor) -> None:
+            saved.append(t)  # (the rebuilt graph holds nothing: no loop through it)
+
+        devices = [torch.cuda.current_device()] if call.cuda_rng is not None else []
+        inner = LiveBytesTracker()
+        limit = self.tracker.limit_bytes
+        if limit is not None:
+            inner.limit_bytes = limit - self.tracker.held_bytes()
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_disable_current_modes())
+            stack.enter_context(torch.random.fork_rng(devices=devices))
+            torch.set_rng_state(call.cpu_rng)
+            if call.cuda_rng is not None:
+                torch.cuda.set_rng_state(call.cuda_rng)
+            for device, enabled, dtype in call.autocast:
+                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+            stack.enter_context(torch.enable_grad())
+            stack.enter_context(inner)
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(lambda t: keep(t), _no_unpack))
+            self.recomputing = True
+            try:
+                self._run_again(i, call.module, call.args, call.kwargs)
+            finally:
+                self.recomputing = False
+        nbytes = unique_storage_bytes(saved)
+        self.rebuilt[i], self.rebuilt_bytes[i] = saved, nbytes
+        self.tracker.extra_held_bytes += nbytes
+        peak = self.tracker.held_bytes() - nbytes + inner.peak_bytes
+        self.tracker.max_held_bytes = max(self.tracker.max_held_bytes, peak)
+
+    def _drop_rebuilt(self, i: int) -> None:
+        self.rebuilt.pop(i, None)
+        self.tracker.extra_held_bytes -= self.rebuilt_bytes.pop(i, 0)
+        self.calls.pop(i, None)
+
+    def release(self) -> None:
+        """The pass is over (or stopped): nothing rebuilt or held for a rebuild stays."""
+        for i in list(self.rebuilt):
+            self._drop_rebuilt(i)
+        self.calls.clear()
+        self.boxes.clear()
+        self.tracker.on_death = None
+
+
+def _no_unpack(_: Any) -> Any:
+    raise RuntimeError("a block run again for its saved tensors runs no backward of its own")
