@@ -217,6 +217,8 @@ class ProbeCounters(_FlopCounting, LiveBytesTracker, WorkTally):
         kwargs = kwargs or {}
         if func in _QUERIES:
             return NotImplemented
+        if self.before_op is not None:
+            self.before_op()
         before = self.total_flops
         self.local = None
         # the same tensors after the op; their storages are read after it

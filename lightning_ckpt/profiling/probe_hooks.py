@@ -245,7 +245,7 @@ class Probe:
                 self.op_profile.packed(key if activation else None)
             if self.saves is not None:  # under checkpointing: a storage the block made is let go at its end
                 s = self.ledger.serial(key) if activation else None
-                box = self.saves.box(t, i, s is not None and self.ledger.born_in[s] == block_region(i))
+                box = self.saves.box(t, i, key, s is not None and self.ledger.born_in[s] == block_region(i))
                 self.packed.append(weakref.ref(box))
                 return box
         box = SavedBox(t, None, -1)

@@ -127,6 +127,8 @@ def probe_step(
                 if probe.post_open:  # the forward is over: the head's and the loss's peak so far
                     probe.post_fwd_peak = max(0, tracker.peak_bytes - probe.live_after_last)
                 step_fwd_flops = flops.get_total_flops()
+                if probe.saves is not None:
+                    probe.saves.look_for_deaths()
                 tracker.ledger.forward = False
                 forward_end = tracker.ledger.mark()
                 loss.backward()
@@ -226,8 +228,10 @@ def _block_hooks(sites: CallSites, probe: Probe, watch: PythonStateWatch, writte
     saves = probe.saves
 
     def pre(i, module, args, kwargs):
-        if saves is not None and saves.recomputing:
-            return
+        if saves is not None:
+            if saves.recomputing:
+                return
+            saves.look_for_deaths()
         probe.pre_hook(i, module, args, kwargs)
         written.before(i, module)
 
@@ -239,8 +243,10 @@ def _block_hooks(sites: CallSites, probe: Probe, watch: PythonStateWatch, writte
         probe.parameters_seen(module)
 
     def post(i, module, args, output):
-        if saves is not None and saves.recomputing:
-            return
+        if saves is not None:
+            if saves.recomputing:
+                return
+            saves.look_for_deaths()
         watch.after(i)
         written.after(i)
         probe.post_hook(i, module, args, output)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -44,10 +45,11 @@ class SavedBox:
     """One tensor saved for backward, held by the probe (`tensor` None once let go). `block`, `index`:
     the block call it was saved in (None: outside every block) and its place among that call's saves."""
 
-    __slots__ = ("tensor", "block", "index", "shape", "dtype", "hold", "__weakref__")
+    __slots__ = ("tensor", "block", "index", "shape", "dtype", "hold", "key", "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor, block: int | None, index: int) -> None:
+    def __init__(self, tensor: torch.Tensor, block: int | None, index: int, key: Any = None) -> None:
         self.tensor: torch.Tensor | None = tensor
+        self.key = key  # its storage when saved
         self.block, self.index = block, index
         self.shape, self.dtype = tensor.shape, tensor.dtype
         self.hold: _Hold | None = None
@@ -74,6 +76,7 @@ class _Call:
     cpu_rng: torch.Tensor
     cuda_rng: torch.Tensor | None
     autocast: tuple
+    held_keys: list
 
 
 def _autocast_state() -> tuple:
@@ -102,19 +105,67 @@ class RecomputedSaves:
         self.rebuilt_bytes: dict[int, int] = {}
         self.recomputing = False
         self.blocks_let_go = 0
+        self.held: dict[Any, int] = {}  # storage key -> how many held aliases of block arguments share it
+        self.held_alias: dict[Any, torch.Tensor] = {}
+        self.counted_dead: set = set()
+        self.rebuilt_refs: dict[Any, int] = {}  # storage key of a held argument -> rebuilt tensors of it
+        self.rebuilt_ref_counts: dict[int, dict[Any, int]] = {}
         tracker.on_death = self._death
+        tracker.before_op = self.look_for_deaths
 
     # -- the forward
     def enter(self, i: int, module: nn.Module, args: tuple, kwargs: dict | None) -> None:
+        """Block call `i` starts: its arguments are held for a run again as aliases of their own (the
+        caller's tensors die when the step lets go of them, and the storages are counted dead then:
+        `look_for_deaths`), with its RNG and autocast state."""
         cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        self.calls[i] = _Call(module, args, dict(kwargs or {}), torch.get_rng_state(), cuda, _autocast_state())
+        aliases: list[torch.Tensor] = []
+
+        def alias(t: torch.Tensor) -> torch.Tensor:
+            a = t.detach().requires_grad_(t.requires_grad) if t.is_leaf or t.requires_grad else t.detach()
+            key = storage_key(t)
+            if key is not None and self.tracker.is_live(key):
+                self.held[key] = self.held.get(key, 0) + 1
+                self.held_alias[key] = a
+                aliases.append(key)
+            return a
+
+        args, kwargs = pytree.tree_map_only(torch.Tensor, alias, (tuple(args), dict(kwargs or {})))
+        self.calls[i] = _Call(module, args, kwargs, torch.get_rng_state(), cuda, _autocast_state(), aliases)
         self.boxes[i] = []
 
-    def box(self, t: torch.Tensor, i: int | None, droppable: bool) -> SavedBox:
+    def look_for_deaths(self) -> None:
+        """Count dead every argument storage that only the held aliases keep (and no box stands for): the
+        step let go of it, so the unplanned step would have freed it by now."""
+        for key, count in list(self.held.items()):
+            if key in self.counted_dead:
+                continue
+            hold = self.holds.get(key)
+            if hold is not None and hold.boxes > 0:
+                continue
+            alias = self.held_alias[key]
+            ours = count + self.rebuilt_refs.get(key, 0) + 1  # (+1: the storage's Python object)
+            if torch._C._storage_Use_Count(alias.untyped_storage()._cdata) <= ours:
+                self.counted_dead.add(key)
+                self.tracker.forget(key)
+
+    def _let_go_of_arguments(self, call: _Call) -> None:
+        for key in call.held_keys:
+            left = self.held[key] - 1
+            if left:
+                self.held[key] = left
+            else:
+                del self.held[key], self.held_alias[key]
+                self.counted_dead.discard(key)
+        call.held_keys = []
+        call.args, call.kwargs = (), {}
+
+    def box(self, t: torch.Tensor, i: int | None, key: Any, droppable: bool) -> SavedBox:
+        """The box for `t`, saved now in block call `i` (None: outside every block); `key`: its storage."""
         if i is None or i not in self.boxes:
             return SavedBox(t, None, -1)
         boxes = self.boxes[i]
-        box = SavedBox(t, i, len(boxes))
+        box = SavedBox(t, i, len(boxes), key)
         boxes.append(box)
         if not droppable:
             box.block = None  # kept: it is never rebuilt
@@ -124,15 +175,12 @@ class RecomputedSaves:
         """Block call `i`'s forward is over: its boxes let go of what it made (not when a run again would
         repeat a Python state write: it keeps them, as every plan keeps that block)."""
         boxes = self.boxes.pop(i, [])
-        if not replayable:
-            self.calls.pop(i, None)
-            return
-        dropped = [b for b in boxes if b.block is not None]
+        dropped = [b for b in boxes if b.block is not None] if replayable else []
         if not dropped:
-            self.calls.pop(i, None)
+            self._forget_call(i)
             return
         for b in dropped:  # every hold first: a storage may die as soon as its last box lets go
-            key = storage_key(b.tensor)
+            key = b.key
             hold = self.holds.get(key)
             if hold is None:
                 hold = self.holds[key] = _Hold(key, nbytes=storage_bytes(b.tensor))
@@ -164,6 +212,8 @@ class RecomputedSaves:
                 self.tracker._free(hold.key)
             elif self.holds.get(hold.key) is hold:
                 del self.holds[hold.key]  # the step still holds it: its death is the tracker's as usual
+                if hold.key in self.held:  # (or a held argument only: counted dead now)
+                    self.look_for_deaths()
         left = self.open.get(block)
         if left is not None:
             self.open[block] = left - 1
@@ -194,7 +244,8 @@ class RecomputedSaves:
         saved: list[torch.Tensor] = []
 
         def keep(t: torch.Tensor) -> None:
-            saved.append(t)  # (the rebuilt graph holds nothing: no loop through it)
+            # detached: its graph's nodes keep this hook, which keeps `saved`; the graph holds nothing
+            saved.append(t.detach())
 
         devices = [torch.cuda.current_device()] if call.cuda_rng is not None else []
         inner = LiveBytesTracker()
@@ -219,14 +270,34 @@ class RecomputedSaves:
                 self.recomputing = False
         nbytes = unique_storage_bytes(saved)
         self.rebuilt[i], self.rebuilt_bytes[i] = saved, nbytes
+        refs: dict[Any, int] = {}  # tensors of a held argument's storage among them (views of it, say)
+        aliases = {id(a) for c in self.calls.values() for a in pytree.tree_leaves((c.args, c.kwargs))}
+        for t in {id(t): t for t in saved}.values():
+            key = storage_key(t)
+            if key in self.held and id(t) not in aliases:  # (a held alias itself is counted already)
+                refs[key] = refs.get(key, 0) + 1
+                self.rebuilt_refs[key] = self.rebuilt_refs.get(key, 0) + 1
+        self.rebuilt_ref_counts[i] = refs
         self.tracker.extra_held_bytes += nbytes
         peak = self.tracker.held_bytes() - nbytes + inner.peak_bytes
         self.tracker.max_held_bytes = max(self.tracker.max_held_bytes, peak)
 
     def _drop_rebuilt(self, i: int) -> None:
         self.rebuilt.pop(i, None)
+        for key, n in self.rebuilt_ref_counts.pop(i, {}).items():
+            left = self.rebuilt_refs[key] - n
+            if left:
+                self.rebuilt_refs[key] = left
+            else:
+                del self.rebuilt_refs[key]
         self.tracker.extra_held_bytes -= self.rebuilt_bytes.pop(i, 0)
-        self.calls.pop(i, None)
+        self._forget_call(i)
+
+    def _forget_call(self, i: int) -> None:
+        call = self.calls.pop(i, None)
+        if call is not None:
+            self._let_go_of_arguments(call)
+            self.look_for_deaths()
 
     def release(self) -> None:
         """The pass is over (or stopped): nothing rebuilt or held for a rebuild stays."""
@@ -234,7 +305,9 @@ class RecomputedSaves:
             self._drop_rebuilt(i)
         self.calls.clear()
         self.boxes.clear()
-        self.tracker.on_death = None
+        self.held.clear()
+        self.held_alias.clear()
+        self.tracker.on_death = self.tracker.before_op = None
 
 
 def _no_unpack(_: Any) -> Any:

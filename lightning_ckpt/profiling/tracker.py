@@ -148,6 +148,7 @@ class LiveBytesTracker(TorchDispatchMode):
         self.extra_held_bytes = 0
         self.max_held_bytes = 0
         self.on_death: Any = None  # key -> True when the death is taken over (counted on under a new key)
+        self.before_op: Any = None  # called before every op (a holder that is not the step's looks for deaths)
         self._live: dict[tuple[str, int], int] = {}
         self._finalizers: list[weakref.ref] = []
 
@@ -183,6 +184,10 @@ class LiveBytesTracker(TorchDispatchMode):
     def _free(self, key: tuple[str, int]) -> None:
         if self.on_death is not None and self.on_death(key):
             return
+        self.forget(key)
+
+    def forget(self, key: Any) -> None:
+        """Count the storage at `key` dead now (it died, or only a holder that is not the step's holds it)."""
         nbytes = self._live.pop(key, None)
         if nbytes is not None:
             self.live_bytes -= nbytes
@@ -219,6 +224,8 @@ class LiveBytesTracker(TorchDispatchMode):
             )
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.before_op is not None:
+            self.before_op()
         out = call_op(func, args, kwargs)  # a collective's tensors freed by the step, not its thread
         # Views and in-place results share an input's storage: that storage was either
         # counted when it was made or existed before the mode (a parameter): skip it.
