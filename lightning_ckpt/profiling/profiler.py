@@ -150,6 +150,8 @@ def probe_step(
                 h.remove()
         held = grad_held_bytes(model.parameters())  # what each gradient the backward made holds
         outside = {key: _held_bytes(p, held) for key, p in outside_params.items()}
+        for p in params:  # (read: the forwards below run without them, `preserved_state` puts back the step's)
+            p.grad = None
         fwd_ms = _time_blocks(model, blocks, step_fn, batch) if timing else [0.0] * len(blocks)
         ckpt_peaks = _nosave_forward_peaks(blocks, step_fn, batch)
         pass_bytes = batch_bytes + tracker.max_held_bytes

@@ -4,8 +4,8 @@ than the `full` plan does.
 Every tensor the step saves for backward is held in a `SavedBox` (the probe's saved-tensor hook makes one).
 With `RecomputedSaves`, when a block's forward ends, the boxes of the tensors made in it let go of them,
 as a checkpointed block keeps none of what it saves; when the backward first needs one, the block is
-run again as a module call, on the arguments, RNG state and autocast state of its forward, with all
-dispatch modes off, and its saved tensors, in the order they were saved, stand in for the ones let go
+run again as a module call, on the arguments, RNG state and autocast state of its forward, unseen by
+the probe's counters, and its saved tensors, in the order they were saved, stand in for the ones let go
 (what torch's non-reentrant checkpoint does). The live-bytes tracker meanwhile counts each storage let go
 as alive for exactly as long as the unplanned step would hold it (until its box dies with its node, or
 the step lets go of it, whichever is later): a storage that dies while still counted is counted on
@@ -27,9 +27,9 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode, _pop_mode_temporarily
 
-from lightning_ckpt.profiling.tracker import LiveBytesTracker, storage_bytes, storage_key, unique_storage_bytes
+from lightning_ckpt.profiling.tracker import LiveBytesTracker, storage_bytes, storage_key
 
 __all__ = ["RecomputeMismatch", "RecomputedSaves", "SavedBox"]
 
@@ -101,15 +101,14 @@ class RecomputedSaves:
         self.calls: dict[int, _Call] = {}
         self.boxes: dict[int, list[SavedBox]] = {}  # the boxes of the block call running now
         self.open: dict[int, int] = {}  # block -> its boxes let go and not dead yet
-        self.rebuilt: dict[int, list[torch.Tensor]] = {}
-        self.rebuilt_bytes: dict[int, int] = {}
+        self.rebuilt: dict[int, _Rebuilt] = {}
+        self.watched: list[weakref.ref] = []  # the storages of rebuilt tensors
         self.recomputing = False
         self.blocks_let_go = 0
         self.held: dict[Any, int] = {}  # storage key -> how many held aliases of block arguments share it
         self.held_alias: dict[Any, torch.Tensor] = {}
-        self.counted_dead: set = set()
+        self.counted_dead: dict[Any, int] = {}  # held argument storages counted dead -> their bytes
         self.rebuilt_refs: dict[Any, int] = {}  # storage key of a held argument -> rebuilt tensors of it
-        self.rebuilt_ref_counts: dict[int, dict[Any, int]] = {}
         tracker.on_death = self._death
         tracker.before_op = self.look_for_deaths
 
@@ -146,8 +145,9 @@ class RecomputedSaves:
             alias = self.held_alias[key]
             ours = count + self.rebuilt_refs.get(key, 0) + 1  # (+1: the storage's Python object)
             if torch._C._storage_Use_Count(alias.untyped_storage()._cdata) <= ours:
-                self.counted_dead.add(key)
+                self.counted_dead[key] = nbytes = self.tracker._live.get(key, 0)
                 self.tracker.forget(key)
+                self.tracker.extra_held_bytes += nbytes  # (dead to the step, held here)
 
     def _let_go_of_arguments(self, call: _Call) -> None:
         for key in call.held_keys:
@@ -156,7 +156,7 @@ class RecomputedSaves:
                 self.held[key] = left
             else:
                 del self.held[key], self.held_alias[key]
-                self.counted_dead.discard(key)
+                self.tracker.extra_held_bytes -= self.counted_dead.pop(key, 0)
         call.held_keys = []
         call.args, call.kwargs = (), {}
 
@@ -228,8 +228,7 @@ class RecomputedSaves:
         assert i is not None
         if i not in self.rebuilt:
             self._rebuild(i)
-        rebuilt = self.rebuilt[i]
-        found = rebuilt[box.index] if box.index < len(rebuilt) else None
+        found = self.rebuilt[i].take(box.index)
         if found is None or found.shape != box.shape or found.dtype != box.dtype:
             got = "nothing" if found is None else f"{tuple(found.shape)} {found.dtype}"
             raise RecomputeMismatch(
@@ -253,7 +252,9 @@ class RecomputedSaves:
         if limit is not None:
             inner.limit_bytes = limit - self.tracker.held_bytes()
         with contextlib.ExitStack() as stack:
-            stack.enter_context(_disable_current_modes())
+            # the probe's own counters do not see the run again; a mode entered around the probe does
+            top = _get_current_dispatch_mode() is self.tracker
+            stack.enter_context(_pop_mode_temporarily() if top else _disable_current_modes())
             stack.enter_context(torch.random.fork_rng(devices=devices))
             torch.set_rng_state(call.cpu_rng)
             if call.cuda_rng is not None:
@@ -268,29 +269,15 @@ class RecomputedSaves:
                 self._run_again(i, call.module, call.args, call.kwargs)
             finally:
                 self.recomputing = False
-        nbytes = unique_storage_bytes(saved)
-        self.rebuilt[i], self.rebuilt_bytes[i] = saved, nbytes
-        refs: dict[Any, int] = {}  # tensors of a held argument's storage among them (views of it, say)
         aliases = {id(a) for c in self.calls.values() for a in pytree.tree_leaves((c.args, c.kwargs))}
-        for t in {id(t): t for t in saved}.values():
-            key = storage_key(t)
-            if key in self.held and id(t) not in aliases:  # (a held alias itself is counted already)
-                refs[key] = refs.get(key, 0) + 1
-                self.rebuilt_refs[key] = self.rebuilt_refs.get(key, 0) + 1
-        self.rebuilt_ref_counts[i] = refs
-        self.tracker.extra_held_bytes += nbytes
-        peak = self.tracker.held_bytes() - nbytes + inner.peak_bytes
+        rebuilt = self.rebuilt[i] = _Rebuilt(self, saved, aliases, set(inner._live))
+        peak = self.tracker.held_bytes() - rebuilt.counted_bytes + inner.peak_bytes
         self.tracker.max_held_bytes = max(self.tracker.max_held_bytes, peak)
 
     def _drop_rebuilt(self, i: int) -> None:
-        self.rebuilt.pop(i, None)
-        for key, n in self.rebuilt_ref_counts.pop(i, {}).items():
-            left = self.rebuilt_refs[key] - n
-            if left:
-                self.rebuilt_refs[key] = left
-            else:
-                del self.rebuilt_refs[key]
-        self.tracker.extra_held_bytes -= self.rebuilt_bytes.pop(i, 0)
+        rebuilt = self.rebuilt.pop(i, None)
+        if rebuilt is not None:
+            rebuilt.drop()
         self._forget_call(i)
 
     def _forget_call(self, i: int) -> None:
@@ -307,7 +294,57 @@ class RecomputedSaves:
         self.boxes.clear()
         self.held.clear()
         self.held_alias.clear()
+        self.tracker.extra_held_bytes -= sum(self.counted_dead.values())
+        self.counted_dead.clear()
         self.tracker.on_death = self.tracker.before_op = None
+
+
+class _Rebuilt:
+    """The tensors a block's run again saved, each let go once its box took it (as torch's checkpoint
+    does); a tensor taken lives on in the backward until its node is done with it. Until its storage dies,
+    the tracker holds its bytes (`extra_held_bytes`, unless it counts that storage live already), and
+    `RecomputedSaves.rebuilt_refs` counts the tensors held here on a held argument's storage."""
+
+    def __init__(self, saves: RecomputedSaves, tensors: list[torch.Tensor], aliases: set[int], made: set) -> None:
+        """`made`: the storages the run again made (not a parameter's or any other that existed before it)."""
+        self.saves, self.tensors = saves, list(tensors)
+        self.nbytes: dict[Any, int] = {}  # storage counted here -> its bytes
+        tracker = saves.tracker
+        for t in {id(t): t for t in tensors}.values():
+            key = storage_key(t)
+            if key is None or id(t) in aliases:  # (a held alias itself is counted already)
+                continue
+            if key not in self.nbytes and key in made:
+                self.nbytes[key] = storage_bytes(t)
+                # (the pass keeps the weak reference: a reference that dies first calls nothing)
+                saves.watched.append(weakref.ref(t.untyped_storage(), lambda _r, key=key: self._storage_gone(key)))
+            if key in saves.held:
+                saves.rebuilt_refs[key] = saves.rebuilt_refs.get(key, 0) + 1
+                weakref.finalize(t, self._tensor_gone, key).atexit = False
+        self.counted_bytes = sum(self.nbytes.values())
+        tracker.extra_held_bytes += self.counted_bytes
+
+    def take(self, index: int) -> torch.Tensor | None:
+        if index >= len(self.tensors):
+            return None
+        t, self.tensors[index] = self.tensors[index], None
+        return t
+
+    def _storage_gone(self, key: Any) -> None:
+        n = self.nbytes.pop(key, 0)
+        self.counted_bytes -= n
+        self.saves.tracker.extra_held_bytes -= n
+
+    def _tensor_gone(self, key: Any) -> None:
+        refs = self.saves.rebuilt_refs
+        left = refs.get(key, 0) - 1
+        if left > 0:
+            refs[key] = left
+        else:
+            refs.pop(key, None)
+
+    def drop(self) -> None:
+        self.tensors = []
 
 
 def _no_unpack(_: Any) -> Any:
