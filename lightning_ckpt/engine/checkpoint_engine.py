@@ -16,6 +16,7 @@ the collectives and the messages. Nothing here imports Lightning.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -73,7 +74,8 @@ class CheckpointEngine:
         self.reserves = Reserves()  # budget held back per shape for memory a measured step showed (`measured`)
         self._held_batch_bytes = 0  # the batch whose prefixes are profiled (`_profile_budget`)
         self._accumulating: bool | None = None  # the driver's `grads_accumulate` the cached plans were made under
-        self._bound: list | None = None  # `block_signature` of the modules `bind` was given
+        # `block_signature` of the modules `bind` was given, and each of them (weakly: identity, not life)
+        self._bound: tuple[list, list[weakref.ref]] | None = None
         self._calls_read = False  # whether `blocks` is the chain of calls read off a step (`read_calls`)
         self._odd_calls_told = False
         self._skipping = False  # the model skips layers at random in training (`profiling.layer_skipping`)
@@ -90,13 +92,14 @@ class CheckpointEngine:
         off until `close` (`engine.model_prep.prepare_model`: HF's `use_cache`, HF's own checkpointing)."""
         self.close()
         signature = block_signature(names, blocks)
-        if self._shapes is None or signature != self._bound:  # other blocks: what was profiled is void
+        same = self._bound is not None and self._bound[0] == signature and [r() for r in self._bound[1]] == blocks
+        if self._shapes is None or not same:  # other blocks (another model's too): what was profiled is void
             self.profile, self._costs, self._cost = None, PlannedCosts(), None
             self._shapes = ShapePlans(self._profile_shape, self._plan_shape, room_fn=self._pass_room)
             self._calls_read = False
         self._shapes.forget_plans()
         self.settings = settings or self.settings
-        self._bound = signature
+        self._bound = signature, [weakref.ref(b) for b in blocks]
         if not self._calls_read:
             self.blocks, self.block_names, self.signature = list(blocks), list(names), signature
         self._static, self.shape = None, None
@@ -119,6 +122,12 @@ class CheckpointEngine:
         if self._prepared is not None:
             self._prepared.restore()
             self._prepared = None
+
+    def release(self) -> None:
+        """Let go of the model (its fit ended): `close`, and the blocks dropped with what was profiled of
+        them; the last plan, profile and cost stay readable, and the next `bind` starts as the first did."""
+        self.close()
+        self.blocks, self._bound, self._calls_read = [], None, False
 
     def measured(self, peak_bytes: int, what: str = "measured") -> MeasuredStep:
         """The step just run under the applied plan peaked at `peak_bytes` here (collective: every rank calls it);
@@ -281,8 +290,8 @@ class CheckpointEngine:
             )
 
     def _require_bound(self) -> None:
-        if self._shapes is None:
-            raise RuntimeError("the engine has no blocks yet: call bind(blocks, names) first.")
+        if self._bound is None:
+            raise RuntimeError("the engine has no blocks (none bound yet, or released): call bind(blocks, names) first.")
 
     def _switch_to(self, decision: ShapeDecision, shape: BatchShape) -> None:
         plan = decision.plan
