@@ -343,8 +343,8 @@ def variable_lengths(s: Setup, lengths: list[int], budget: int, longest_plan: Pl
     spent = [(c._shapes.profile_s, c._shapes.plan_s) for c in shape_cbs]  # per round, before any reuse
     decisions = list(cb.engine._shapes.plans.values())
     first_plans = dict(cb.plans)
-    # per-shape's peak run reuses the last round's callback (a second fit on the same model keeps
-    # its profiles and plans again); checked below to give the first round's plans
+    # per-shape's peak run reuses the last round's callback (a second fit, on a new model, profiles and
+    # plans as the first did); checked below to give the first round's plans
     reused = shape_cbs[-1] if len(shape_cbs) > 1 else callback(s, budget)
     t0 = time.perf_counter()
     peak_runs = {
@@ -412,7 +412,7 @@ def variable_lengths(s: Setup, lengths: list[int], budget: int, longest_plan: Pl
         if err is not None:
             print(f"  quadratic over the {len(fitted.lengths)} real batches' profiles: worst leave-one-out miss "
                   f"{100 * err:.1f} % (the fit stands in for a profile only within {100 * FIT_TOLERANCE:.0f} %)")
-    print(f"  the peak run reused the last round's callback (profiles kept, planned again): same plans as round 1 "
+    print(f"  the peak run reused the last round's callback (profiled and planned again): same plans as round 1 "
           f"for every shape: {same_plans}")
     a = longest_plan
     b = next((p for p in by_length.values() if p.segments and not same_regions(p, a)), None)

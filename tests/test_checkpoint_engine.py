@@ -126,6 +126,41 @@ def test_other_blocks_void_what_was_profiled_and_the_same_blocks_keep_it():
     engine.close()
 
 
+def test_another_model_of_the_same_architecture_is_profiled_on_its_own_blocks():
+    """A new model whose blocks have the names and parameter shapes of the last one (a new fit of the same
+    config) is not the same model: what was profiled is dropped and its own blocks are profiled and planned."""
+    engine, driver = _engine()
+    batch = tokens_batch(8, 12)
+    engine.step(batch)
+    other = TinyChain(n_blocks=4, d=16)
+    _, names, blocks = resolve_blocks(other, "blocks")
+    driver.model = other
+    engine.bind(blocks, names, model=other)
+    assert engine.profile is None and engine.profile_runs == 0
+    engine.step(batch)
+    assert engine.profile_runs == 1 and all(a is b for a, b in zip(engine.blocks, blocks))
+    assert _hooks(other) > 0 and _hooks(driver.model) == _hooks(other)
+    engine.close()
+    assert _hooks(other) == 0
+
+
+def test_a_released_engine_keeps_its_plan_to_read_and_no_blocks():
+    engine, driver = _engine()
+    engine.step(tokens_batch(8, 12))
+    plan, model = engine.plan, driver.model
+    engine.release()
+    assert engine.blocks == [] and not engine.applied and _hooks(model) == 0
+    assert engine.plan is plan and engine.profile is not None and engine.cost is not None
+    with pytest.raises(RuntimeError, match=r"none bound yet, or released\): call bind\(blocks, names\) first"):
+        engine.step(tokens_batch(8, 12))
+    _, names, blocks = resolve_blocks(model, "blocks")
+    engine.bind(blocks, names, model=model)  # the same model bound again after a release: planned as the first time
+    assert engine.profile is None
+    engine.step(tokens_batch(8, 12))
+    assert engine.profile_runs == 1 and engine.applied
+    engine.close()
+
+
 def test_a_rank_other_than_zero_plans_nothing_and_applies_rank_zero_s_plan():
     from lightning_ckpt.engine.rank_zero import PlanningOutcome
 

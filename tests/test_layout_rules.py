@@ -3,7 +3,8 @@
 The package is the pipeline: each stage a folder, in the order of `STAGES`, and a module may
 import only from its own stage or an earlier one, with every import counted (module level, inside
 functions and methods, under TYPE_CHECKING, `importlib.import_module("...")` with a literal name).
-Since every edge points down the order, no chain of imports leads back up. Also: no import cycle;
+Since every edge points down the order, no chain of imports leads back up. Also: no import cycle,
+counting every import as above (an import that only names a type still ties the two modules together);
 the two front ends (`frontends/lightning`, `frontends/loops`) do not import each other; Lightning
 only in `frontends/lightning/`; DeepSpeed only inside its functions; no torch in `costs/` or
 `planning/`; at the package root only the public face, the CLI and the leaf utilities of
@@ -114,18 +115,23 @@ def _resolve(site: ImportSite, modules: dict[str, Path]) -> str | None:
     return None
 
 
-def import_graph(
-    modules: dict[str, Path], sites: dict[str, list[ImportSite]], type_checking: bool = False
-) -> dict[str, dict[str, int]]:
-    """module -> {imported package module: first line}; self-imports left out, and TYPE_CHECKING
-    imports unless `type_checking` (they never run, so they close no cycle, but they still point)."""
+def import_graph(modules: dict[str, Path], sites: dict[str, list[ImportSite]]) -> dict[str, dict[str, int]]:
+    """module -> {imported package module: first line}, every import counted (under TYPE_CHECKING and
+    inside functions too: a circle through a type-only import is still a circle of the design, and one
+    `from __future__` or `get_type_hints` away from an import error); self-imports left out."""
     graph: dict[str, dict[str, int]] = {m: {} for m in modules}
     for module, found in sites.items():
         for site in found:
-            target = None if site.type_checking and not type_checking else _resolve(site, modules)
+            target = _resolve(site, modules)
             if target is not None and target != module:
                 graph[module].setdefault(target, site.line)
     return graph
+
+
+def _hop(module: str, target: str, line: int, found: list[ImportSite], modules: dict[str, Path]) -> str:
+    """`module (line N)` for the message of a cycle, said to be type-only when every import of `target` is."""
+    typed = all(s.type_checking for s in found if _resolve(s, modules) == target)
+    return f"{module} (line {line}{', under TYPE_CHECKING' if typed else ''})"
 
 
 def _components(graph: dict[str, dict[str, int]]) -> list[list[str]]:
@@ -230,20 +236,19 @@ def check_package(root: Path) -> list[Violation]:
     modules = module_files(root)
     sites = {m: import_sites(m, path) for m, path in modules.items()}
     graph = import_graph(modules, sites)
-    pointing = import_graph(modules, sites, type_checking=True)
     found = []
     for component in _components(graph):
         cycle = _shortest_cycle(graph, component)
-        hops = [f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:] + cycle[:1])]
+        hops = [_hop(a, b, graph[a][b], sites[a], modules) for a, b in zip(cycle, cycle[1:] + cycle[:1])]
         extra = sorted(set(component) - set(cycle))
         detail = "import cycle: " + " -> ".join([*hops, cycle[0]])
         found.append(Violation("cycle", tuple(cycle), detail + (f"; also in it: {', '.join(extra)}" if extra else "")))
     for module, path in modules.items():
         rank, stage = stage_of(module)
-        for target, line in pointing[module].items():
+        for target, line in graph[module].items():
             target_rank, target_stage = stage_of(target)
             if rank >= 0 and target_rank > rank:
-                chain = " -> ".join(_upward_path(pointing, target)[1:])
+                chain = " -> ".join(_upward_path(graph, target)[1:])
                 found.append(Violation(
                     "upward", (module,),
                     f"{module} line {line} imports {target}: {stage} comes before {target_stage} in the pipeline "
@@ -348,8 +353,8 @@ def test_module_names_and_relative_imports(tmp_path):
     assert {"lightning_ckpt", "lightning_ckpt.units", "lightning_ckpt.planning.policies",
             "lightning_ckpt.frontends.lightning.callback"} <= set(modules)
     graph = import_graph(modules, {m: import_sites(m, p) for m, p in modules.items()})
-    # the TYPE_CHECKING one is left out; the importlib one counts
-    assert graph["lightning_ckpt"] == {"lightning_ckpt.planning.plan": 3, "lightning_ckpt.frontends.lightning.callback": 12}
+    # the TYPE_CHECKING import counts (its line, the first of that target), as the importlib one would
+    assert graph["lightning_ckpt"] == {"lightning_ckpt.planning.plan": 3, "lightning_ckpt.frontends.lightning.callback": 6}
     assert graph["lightning_ckpt.planning.policies"] == {"lightning_ckpt.planning.plan": 3}
     assert graph["lightning_ckpt.profiling.tracker"] == {"lightning_ckpt.costs.block_costs": 3}
     assert graph["lightning_ckpt.frontends.loops.auto"] == {"lightning_ckpt.engine": 1}
@@ -360,6 +365,8 @@ BACK_EDGES = {
     "function_level_import": "def f():\n    import lightning_ckpt.planning.policies\n",
     "relative_submodule": "def f():\n    from . import policies\n",
     "method_level": "class P:\n    def f(self):\n        from .policies import np\n",
+    "type_checking": "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from .policies import np\n",
+    "type_checking_in_function": "def f():\n    if TYPE_CHECKING:\n        from .policies import np\n",
 }
 
 
@@ -382,16 +389,30 @@ def test_cycle_of_three_reports_each_module(tmp_path):
     ]
 
 
-@pytest.mark.parametrize(
-    "text",
-    [
-        "if TYPE_CHECKING:\n    from .policies import np\n",
-        "from lightning_ckpt.planning import plan\n",  # imports itself: not a cycle
-    ],
-    ids=["type_checking", "self"],
-)
-def test_not_a_cycle(tmp_path, text):
-    assert check_package(write_package(tmp_path, planning__plan=text)) == []
+def test_a_module_importing_itself_is_not_a_cycle(tmp_path):
+    assert check_package(write_package(tmp_path, planning__plan="from lightning_ckpt.planning import plan\n")) == []
+
+
+def test_a_module_that_names_its_caller_only_for_a_type_closes_a_cycle(tmp_path):
+    """The engine imports measured_steps at module level; measured_steps imports the engine's class under
+    TYPE_CHECKING for an annotation: the two modules depend on each other, so the rule fails."""
+    root = write_package(
+        tmp_path,
+        engine__checkpoint_engine="from lightning_ckpt.engine.measured_steps import judge\n\n\nclass Engine:\n    pass\n",
+        engine__measured_steps=(
+            "from __future__ import annotations\n\nfrom typing import TYPE_CHECKING\n\n"
+            "if TYPE_CHECKING:\n    from lightning_ckpt.engine.checkpoint_engine import Engine\n\n\n"
+            "def judge(engine: Engine) -> None:\n    pass\n"
+        ),
+    )
+    violations = check_package(root)
+    assert [(v.rule, v.modules) for v in violations] == [
+        ("cycle", ("lightning_ckpt.engine.checkpoint_engine", "lightning_ckpt.engine.measured_steps"))
+    ]
+    assert str(violations[0]) == (
+        "[cycle] import cycle: lightning_ckpt.engine.checkpoint_engine (line 1) -> "
+        "lightning_ckpt.engine.measured_steps (line 6, under TYPE_CHECKING) -> lightning_ckpt.engine.checkpoint_engine"
+    )
 
 
 @pytest.mark.parametrize(

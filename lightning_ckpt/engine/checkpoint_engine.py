@@ -16,6 +16,7 @@ the collectives and the messages. Nothing here imports Lightning.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +29,7 @@ from lightning_ckpt.apply.recompute_errors import explain_checkpoint_error
 from lightning_ckpt.engine.measured_steps import MeasuredStep, Reserves, judge_step
 from lightning_ckpt.engine.model_prep import Prepared, prepare_model
 from lightning_ckpt.engine.planned_costs import PlannedCosts
-from lightning_ckpt.engine.target_plan import plan_for_max, plan_for_target
+from lightning_ckpt.engine.target_plan import batch_error, fits_target, plan_for_max_at, plan_for_target
 from lightning_ckpt.costs.block_costs import StepCost
 from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.costs.machine_rates import MachineRates
@@ -73,8 +74,9 @@ class CheckpointEngine:
         self.reserves = Reserves()  # budget held back per shape for memory a measured step showed (`measured`)
         self._held_batch_bytes = 0  # the batch whose prefixes are profiled (`_profile_budget`)
         self._accumulating: bool | None = None  # the driver's `grads_accumulate` the cached plans were made under
-        self._bound: list | None = None  # `block_signature` of the modules `bind` was given
-        self._calls_read = False  # whether `blocks` is the chain of calls read off a step (`_read_calls`)
+        # `block_signature` of the modules `bind` was given, and each of them (weakly: identity, not life)
+        self._bound: tuple[list, list[weakref.ref]] | None = None
+        self._calls_read = False  # whether `blocks` is the chain of calls read off a step (`read_calls`)
         self._odd_calls_told = False
         self._skipping = False  # the model skips layers at random in training (`profiling.layer_skipping`)
 
@@ -90,13 +92,14 @@ class CheckpointEngine:
         off until `close` (`engine.model_prep.prepare_model`: HF's `use_cache`, HF's own checkpointing)."""
         self.close()
         signature = block_signature(names, blocks)
-        if self._shapes is None or signature != self._bound:  # other blocks: what was profiled is void
+        same = self._bound is not None and self._bound[0] == signature and [r() for r in self._bound[1]] == blocks
+        if self._shapes is None or not same:  # other blocks (another model's too): what was profiled is void
             self.profile, self._costs, self._cost = None, PlannedCosts(), None
             self._shapes = ShapePlans(self._profile_shape, self._plan_shape, room_fn=self._pass_room)
             self._calls_read = False
         self._shapes.forget_plans()
         self.settings = settings or self.settings
-        self._bound = signature
+        self._bound = signature, [weakref.ref(b) for b in blocks]
         if not self._calls_read:
             self.blocks, self.block_names, self.signature = list(blocks), list(names), signature
         self._static, self.shape = None, None
@@ -106,9 +109,7 @@ class CheckpointEngine:
                 model, keep_hf_checkpointing=self.settings.keep_hf_checkpointing, warn=self._warn_once
             )
             for hazard in self._prepared.hazards:  # what it can only report, said once
-                if hazard not in self._told:
-                    self._told.add(hazard)
-                    self.driver.warn(f"lightning-ckpt: {hazard}.")
+                self._warn_once(f"lightning-ckpt: {hazard}.")
 
     def _warn_once(self, message: str) -> None:
         if message not in self._told:
@@ -122,10 +123,30 @@ class CheckpointEngine:
             self._prepared.restore()
             self._prepared = None
 
+    def release(self) -> None:
+        """Let go of the model (its fit ended): `close`, and the blocks dropped with what was profiled of
+        them; the last plan, profile and cost stay readable, and the next `bind` starts as the first did."""
+        self.close()
+        self.blocks, self._bound, self._calls_read = [], None, False
+
     def measured(self, peak_bytes: int, what: str = "measured") -> MeasuredStep:
         """The step just run under the applied plan peaked at `peak_bytes` here (collective: every rank calls it);
         over the budget, its shape is planned again now with the excess held in reserve (`engine.measured_steps`)."""
-        return judge_step(self, peak_bytes, what)
+        peak = max(self.driver.all_gather(int(peak_bytes)))
+        assert self.shape is not None and self.plan is not None, "a step was measured before any plan was applied"
+        return judge_step(self.reserves, self.shape, self.plan, peak, self.settings.budget_bytes, what, self._replan)
+
+    def _replan(self, shape: BatchShape) -> Plan | None:
+        """Plan `shape` again now (rank 0 plans, every rank applies); when none fits, its plan stays, the error raised."""
+        old, self.shape = self._shapes.forget(shape), None  # not in place: `step_shape` plans it again
+        try:
+            decision = self.step_shape(shape)
+        except (InfeasibleBudgetError, ValueError):
+            if old is not None:
+                self._shapes.settle(shape, old.plan)
+            self.shape = shape  # its plan was never taken off
+            raise
+        return None if decision is None else decision.plan
 
     def explain(self, err: BaseException, model: torch.nn.Module | None = None) -> BaseException:
         """`err` made clear when it came from a recompute that did not repeat its forward (else `err`)."""
@@ -177,7 +198,7 @@ class CheckpointEngine:
         """Profile `batch` and plan the largest batch (a multiple of `batch_multiple`) whose plan fits;
         nothing is applied: batches come at that size and are planned when they arrive."""
         self._require_bound()
-        self._read_calls(batch)
+        read_calls(self, batch)
         self._find_max = True
         try:
             plan = self._plan_everywhere(batch, 0, [shape_of(batch)]).plan
@@ -191,7 +212,7 @@ class CheckpointEngine:
         """Profile `batch` and plan its shape (at `batch_size` when given) without applying anything: the
         plan is cached for when its batches come (`step`, `step_shape`). Collective, as `step`."""
         self._require_bound()
-        self._read_calls(batch)
+        read_calls(self, batch)
         self.remove()
         shape = shape_of(batch)
         if batch_size is None or batch_size == shape.batch_size:
@@ -207,9 +228,9 @@ class CheckpointEngine:
         Collective on several ranks: every rank calls it at every step (the shapes are gathered)."""
         self._require_bound()
         if not self._calls_read:  # read once after `bind`
-            self._read_calls(batch)
+            read_calls(self, batch)
         if self._applied is not None:  # a plan counts its block calls
-            self._new_step()
+            new_step(self)
         self._follow_accumulation()
         own = shape_of(batch)  # read once: passed on to what plans it
         shapes = self.driver.all_gather(own)  # every rank's, so that all decide alike
@@ -224,7 +245,7 @@ class CheckpointEngine:
         """Profile `batch` (every rank) without planning: plans at other batch sizes of its shape
         come from this profile (`step_shape`)."""
         self._require_bound()
-        self._read_calls(batch)
+        read_calls(self, batch)
         self.remove()
         shape = shape_of(batch)
         if shape not in self._shapes.profiled_shapes:
@@ -234,7 +255,7 @@ class CheckpointEngine:
         """Make the plan for `shape` the applied one, from what was profiled (no batch needed: a
         profiled shape at another batch size); None when it already is."""
         self._require_bound()
-        self._new_step()
+        new_step(self)
         self._follow_accumulation()
         if self._in_place(shape):
             return None
@@ -268,15 +289,9 @@ class CheckpointEngine:
                 "earlier micro-batches alive in each step are dropped; each batch shape is planned again."
             )
 
-    def _read_calls(self, batch: Any) -> None:
-        read_calls(self, batch)
-
-    def _new_step(self) -> None:
-        new_step(self)
-
     def _require_bound(self) -> None:
-        if self._shapes is None:
-            raise RuntimeError("the engine has no blocks yet: call bind(blocks, names) first.")
+        if self._bound is None:
+            raise RuntimeError("the engine has no blocks (none bound yet, or released): call bind(blocks, names) first.")
 
     def _switch_to(self, decision: ShapeDecision, shape: BatchShape) -> None:
         plan = decision.plan
@@ -395,10 +410,7 @@ class CheckpointEngine:
 
         def fits(cost_of: Callable[..., StepCost], at: BatchShape) -> bool:
             costs = CostSource(cost_of, grads_accumulate=self.driver.grads_accumulate)
-            try:
-                return plan_for_target(costs, static, self.reserves.request(request, at), at.batch_size)[0].fits
-            except InfeasibleBudgetError:
-                return False
+            return fits_target(costs, static, self.reserves.request(request, at), at.batch_size)
 
         return self._shapes.longest_length(shape, fits)
 
@@ -422,17 +434,8 @@ class CheckpointEngine:
         request = self.reserves.request(self.settings.request(), shape)
         costs = CostSource(cost_of, grads_accumulate=self.driver.grads_accumulate)
         if self._find_max:
-            multiple = self.settings.batch_multiple
-            try:
-                plan, cost = plan_for_max(costs, self._static, request, multiple)
-            except InfeasibleBudgetError as err:
-                if "allow_python_state" in str(err) or not self._held_note():
-                    raise
-                raise InfeasibleBudgetError(f"{err}{self._held_note()}") from None
-            self.driver.info(
-                f"lightning-ckpt: target_batch_size='max' -> {plan.batch_size} (a multiple of {multiple}) "
-                f"at the shape of the profiled batch ({shape.describe()}); batches of other shapes are planned "
-                "when they arrive at that size, and one that cannot fit stops the run before its step."
+            plan, cost = plan_for_max_at(
+                costs, self._static, request, self.settings.batch_multiple, shape, self._held_note, self.driver.info
             )
         else:
             make = functools.partial(plan_for_target, costs, self._static, request, shape.batch_size)
@@ -441,10 +444,7 @@ class CheckpointEngine:
             except InfeasibleBudgetError as err:
                 note = "" if "allow_python_state" in str(err) else self._held_note()
                 longest = self.longest_length(shape) if shape.batch_size == 1 else None
-                if longest is not None:  # one sequence: the length that fits says more than a batch size
-                    note += (f" At batch 1 the longest sequence (or packed row) that fits is {longest} tokens; "
-                             "cut or pack the sequences to that length.")
-                raise InfeasibleBudgetError(f"the training batch of shape ({shape.describe()}): {err}{note}") from None
+                raise batch_error(err, shape, note, longest) from None
         self._costs.keep(shape, cost, self._shapes.is_cached)
         self._cost = cost
         return plan

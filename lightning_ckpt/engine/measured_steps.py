@@ -8,6 +8,7 @@ profiled) in reserve for that shape, whose next plan is made for the budget less
     reserves = Reserves()
     verdict = reserves.judge(shape, measured_bytes, plan, budget_bytes)   # over: the reserve grows
     budget_bytes - reserves.held(shape)                                   # what the shape is planned for
+    judge_step(reserves, shape, plan, peak, budget_bytes, what, replan)   # over: `replan` plans it again now
 
 Plain Python over shapes and plans; nothing here runs a step.
 """
@@ -15,6 +16,7 @@ Plain Python over shapes and plans; nothing here runs a step.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -24,7 +26,6 @@ from lightning_ckpt.profiling.shapes import BatchShape
 from lightning_ckpt.units import format_bytes
 
 if TYPE_CHECKING:
-    from lightning_ckpt.engine.checkpoint_engine import CheckpointEngine
     from lightning_ckpt.engine.target_plan import PlanRequest
 
 MAX_REPLANS = 3  # re-plans of one shape for measured excess; past that the run goes on with a warning
@@ -135,26 +136,23 @@ class Reserves:
         self.stopped[shape] = why
 
 
-def judge_step(engine: CheckpointEngine, peak_bytes: int, what: str) -> MeasuredStep:
-    """`CheckpointEngine.measured`: the largest rank's `peak_bytes` judged against the engine's budget; over
-    it, the applied plan's shape is planned again now with the excess in reserve (rank 0 plans, every rank
-    applies). When no plan fits with that reserve, the shape keeps its plan and is not planned again."""
-    peak = max(engine.driver.all_gather(int(peak_bytes)))
-    shape, plan = engine.shape, engine.plan
-    assert shape is not None and plan is not None, "a step was measured before any plan was applied"
-    held = engine.reserves.held(shape)
-    verdict = engine.reserves.judge(shape, peak, plan, engine.settings.budget_bytes, what)
+def judge_step(
+    reserves: Reserves, shape: BatchShape, plan: Plan, peak_bytes: int, budget_bytes: int, what: str,
+    replan: Callable[[BatchShape], Plan | None],
+) -> MeasuredStep:
+    """The step at `shape` run under `plan` peaked at `peak_bytes` (the largest rank's): judged against
+    `budget_bytes`; over it with more unseen than held, `replan(shape)` plans that shape again now with the
+    excess in reserve and applies it (returning the plan, or None when the plan in place was kept). When it
+    raises `InfeasibleBudgetError` or `ValueError` (no plan fits with that reserve; it put the old plan back),
+    the shape keeps its plan and is planned no more."""
+    held = reserves.held(shape)
+    verdict = reserves.judge(shape, peak_bytes, plan, budget_bytes, what)
     if not verdict.replan:
         return verdict
-    old = engine._shapes.forget(shape)
-    engine.shape = None  # not in place: `step_shape` plans it again, from what was profiled
     try:
-        decision = engine.step_shape(shape)
+        replanned = replan(shape)
     except (InfeasibleBudgetError, ValueError) as err:  # the measured step ran: the run goes on, told why
         why = f"No plan fits with {format_bytes(verdict.reserve_bytes)} in reserve ({err})"
-        engine.reserves.give_up(shape, held, why)
-        if old is not None:
-            engine._shapes.settle(shape, old.plan)
-        engine.shape = shape  # its plan was never taken off
+        reserves.give_up(shape, held, why)
         return dataclasses.replace(verdict, reserve_bytes=held, replan=False, failure=why)
-    return dataclasses.replace(verdict, replanned=None if decision is None else decision.plan)
+    return dataclasses.replace(verdict, replanned=replanned)

@@ -6,6 +6,7 @@ cannot fit they raise `InfeasibleBudgetError` naming the largest batch that woul
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from lightning_ckpt.planning.capacity import largest_batch
@@ -14,6 +15,7 @@ from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.units import format_bytes
 from lightning_ckpt.planning.policies import InfeasibleBudgetError, make_plan
+from lightning_ckpt.profiling.shapes import BatchShape
 from lightning_ckpt.profiling.static_memory import StaticMemory
 
 
@@ -98,3 +100,40 @@ def plan_for_max(profile: Profile, static: StaticMemory, request: PlanRequest, m
             "batch_multiple."
         )
     return plan, cost_at(profile, best, static)
+
+
+def plan_for_max_at(
+    profile: Profile, static: StaticMemory, request: PlanRequest, multiple: int, shape: BatchShape,
+    held_note: Callable[[], str], info: Callable[[str], None],
+) -> tuple[Plan, StepCost]:
+    """`plan_for_max` for the profiled batch of `shape`, said in one line to `info`; when nothing fits, the
+    error adds `held_note()` (the blocks kept for the Python state they write) unless it names them already."""
+    try:
+        plan, cost = plan_for_max(profile, static, request, multiple)
+    except InfeasibleBudgetError as err:
+        if "allow_python_state" in str(err) or not held_note():
+            raise
+        raise InfeasibleBudgetError(f"{err}{held_note()}") from None
+    info(
+        f"lightning-ckpt: target_batch_size='max' -> {plan.batch_size} (a multiple of {multiple}) "
+        f"at the shape of the profiled batch ({shape.describe()}); batches of other shapes are planned "
+        "when they arrive at that size, and one that cannot fit stops the run before its step."
+    )
+    return plan, cost
+
+
+def fits_target(profile: Profile, static: StaticMemory, request: PlanRequest, target: int) -> bool:
+    """Whether a plan at batch `target` fits the request's budget (`plan_for_target`, without its error)."""
+    try:
+        return plan_for_target(profile, static, request, target)[0].fits
+    except InfeasibleBudgetError:
+        return False
+
+
+def batch_error(err: InfeasibleBudgetError, shape: BatchShape, note: str, longest: int | None) -> InfeasibleBudgetError:
+    """`err` said of the training batch of `shape`, with `note` and, for one sequence, the `longest` length
+    that fits (which says more than a batch size)."""
+    if longest is not None:
+        note += (f" At batch 1 the longest sequence (or packed row) that fits is {longest} tokens; "
+                 "cut or pack the sequences to that length.")
+    return InfeasibleBudgetError(f"the training batch of shape ({shape.describe()}): {err}{note}")

@@ -3,7 +3,9 @@
 At every training batch start the engine (`lightning_ckpt.engine`) makes the plan for the batch's
 shape the applied one (profiled and planned on rank 0 the first time a shape comes); at fit start
 for ``target_batch_size="max"``. The callback adds what is Lightning's: the loader's batch size,
-logs and the report, the measured peak and the plan in checkpoints.
+logs and the report, the measured peak and the plan in checkpoints. Each fit binds an engine of its
+own; at teardown (or when the fit fails) it lets go of the model and the trainer, so one callback
+serves any number of fits, of the same model or new ones.
 """
 
 from __future__ import annotations
@@ -112,7 +114,9 @@ class ActivationCheckpointing(Callback):
         self.cost_metric, self.batch_arg_name, self.verbose, self.strict_resume = cost_metric, batch_arg_name, verbose, strict_resume
         self.measure_peak, self.report, self.plan_only, self.tune_allocator = measure_peak, report, plan_only, tune_allocator
         self.batch_size: int | None = None if target_batch_size == "max" else int(target_batch_size)
-        self.engine: CheckpointEngine | None = None  # one per callback: what it profiled is kept across fits
+        # one per fit, made at its first bind; after the fit it holds nothing of the model or the trainer, and
+        # shows the fit's plan until the next fit binds a new one (`_bind`)
+        self.engine: CheckpointEngine | None = None
         self.measured_peak_bytes: int | None = None
         self.measured_peaks: dict[BatchShape, int | None] = {}  # measured step peak per shape (measure_peak)
         self.report_paths: list[Path] = []
@@ -142,7 +146,8 @@ class ActivationCheckpointing(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # after `configure_model` (and the strategy's wrapping): a model built there exists only now
-        self._planned_in_fit, self._bound, self.measured_peaks = False, False, {}
+        self._planned_in_fit, self._bound, self.measured_peaks = False, False, {}  # each fit plans as the first
+        self.measured_peak_bytes, self.report_paths, self._told_slices = None, [], False
         if self.target_batch_size == "max":  # profile one batch of the current loader, plan the largest
             batch = loader.first_train_batch(trainer)
             self._bind(trainer, pl_module, batch)
@@ -192,8 +197,10 @@ class ActivationCheckpointing(Callback):
         if self._fit_memory is not None and stage == "fit":
             self._fit_memory.restore()  # the allocator as it was before this fit
             self._fit_memory = None
-        if self.engine is not None:
-            self.engine.close()  # the plan off, the model's settings back
+        if stage == "fit":  # a checkpoint's plan serves the fit that loaded it only
+            self._loaded = self._loaded_from = None
+        if self.engine is not None:  # the plan off, the model's settings back; nothing of it or its trainer kept
+            self.engine.release()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -219,17 +226,17 @@ class ActivationCheckpointing(Callback):
         self._loaded = state_dict if not isinstance(state_dict, dict) else dict(state_dict)
 
     def _bind(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
-        """The engine on this fit's blocks (`blocks=None`: the chain holding most of `batch`'s step bytes)."""
+        """A new engine on this fit's blocks (`blocks=None`: the chain holding most of `batch`'s step bytes);
+        it plans as the first fit did, whatever the callback served before."""
         driver = LightningDriver(trainer)
         found = driver.chain(pl_module, self.blocks, batch)
         settings = EngineSettings(self._budget_bytes, **self._settings)
-        if isinstance(found, tuple):
+        if isinstance(found, tuple):  # a new engine: nothing of an earlier fit's model, trainer or shapes
             names, blocks = found
+            self.engine = CheckpointEngine(settings, driver)
         else:  # blocks=None: the level of the module tree whose chain plans least recompute (or the largest batch)
             self.engine, chosen = self._engine_for_chain(found, settings, driver, pl_module, batch)
             names, blocks = list(chosen.names), list(chosen.modules)
-        self.engine = self.engine or CheckpointEngine(settings, driver)
-        self.engine.driver = driver
         self.engine.bind(blocks, names, settings, model=pl_module)  # HF caches off for the fit (`model_compat`)
         self.engine.resume_with, self._bound = self._resumed_plan, True
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import lightning.pytorch as pl
@@ -24,10 +25,21 @@ from lightning_ckpt.profiling.static_memory import StaticMemory
 
 
 class LightningDriver:
-    """Profiling, static memory, collectives and messages of one `trainer`'s fit."""
+    """Profiling, static memory, collectives and messages of one `trainer`'s fit. The trainer is held weakly:
+    the engine that keeps this driver after the fit (to show its plan) keeps neither the trainer nor its model."""
 
     def __init__(self, trainer: pl.Trainer) -> None:
-        self.trainer = trainer
+        self._trainer = weakref.ref(trainer)
+
+    @property
+    def trainer(self) -> pl.Trainer:
+        trainer = self._trainer()
+        if trainer is None:
+            raise RuntimeError(
+                "lightning-ckpt: the Trainer this engine was planning for no longer exists; a new fit binds the "
+                "callback to its own Trainer (at its first training batch, or at fit start when blocks are named)."
+            )
+        return trainer
 
     @property
     def rank(self) -> int:
