@@ -96,22 +96,26 @@ def test_a_check_slice_that_would_not_fit_is_shrunk_and_every_pass_fits():
 
 
 def test_probes_that_cannot_fit_run_over_the_budget_once_with_a_warning_that_says_what_they_held():
-    """The first probe is stopped at the room (nothing smaller than (1, 2)): the probes run again over the
-    budget, the state as found after each, and one warning gives what they held and the budget to set."""
+    """The first probe is stopped at the room (nothing smaller than (1, 2)), and again under checkpointing:
+    the probes run over the budget under checkpointing, the state as found after each, one line says the
+    profile went under checkpointing and one warning gives what the probes held and the budget to set."""
     model, blocks, names, loss = _chain()
     batch = tokens_batch(8, 24)
     before = [p.detach().clone() for p in model.parameters()]
     rng = torch.get_rng_state()
     outside = static_memory(model).resident_bytes
-    budget = ProfileBudget(outside + 64 * 1024, outside)
+    lines: list[str] = []
+    budget = ProfileBudget(outside + 64 * 1024, outside, info=lines.append)
     with pytest.warns(UserWarning) as told:
         profile = profile_model(model, blocks, loss, batch, names=names, timing=False, budget=budget)
     said = [str(w.message) for w in told if "lightning-ckpt" in str(w.message)]
     assert len(said) == 1, said
-    assert re.match(r"lightning-ckpt: profiling could not stay within memory_budget=.*: unplanned, 1 sample\(s\) "
-                    r"of the batch need more than the .* it leaves beside .* profiled over it on probe_batch_sizes=\(1, 2\), "
-                    r"holding .*raise memory_budget to .* or more", said[0]), said[0]
+    assert re.match(r"lightning-ckpt: profiling could not stay within memory_budget=.*: even under checkpointing "
+                    r".*, \d sample\(s\) of the batch need more than the .* it leaves beside .* profiled over it on "
+                    r"probe_batch_sizes=\(1, 2\), holding .*raise memory_budget to .* or more", said[0]), said[0]
+    assert any("the step is profiled under checkpointing instead" in line for line in lines), lines
     assert [p.batch_size for p in profile.probes] == [1, 2] and profile.check is None
+    assert all(p.meta["under_checkpointing"] for p in profile.probes)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and torch.equal(rng, torch.get_rng_state())
     assert all(p.grad is None for p in model.parameters())
     with warnings.catch_warnings():  # below what stays resident: nothing to say here, planning says nothing fits

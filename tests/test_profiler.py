@@ -341,11 +341,11 @@ def test_sharded_blocks_run_the_same_passes_whatever_their_bytes(monkeypatch, sh
     """Batch 1 is off the line: unsharded, the profiler leaves it out and checks the new line on a
     slice twice the check (and times the promoted check). Sharded blocks gather their parameters in
     every forward, so every rank must run the same passes: the probes and the check only, timed."""
-    import lightning_ckpt.profiling.profiler as profiler
+    import lightning_ckpt.profiling.measured_profile as profiler
     from lightning_ckpt.costs.block_costs import BlockCost, StepCost
     from lightning_ckpt.costs.machine_rates import MachineRates
 
-    def fake_probe(model, blocks, step_fn, batch, names=None, timing=True, room_bytes=None):
+    def fake_probe(model, blocks, step_fn, batch, names=None, timing=True, room_bytes=None, recompute=False):
         b = batch_size_of(batch)
         calls.append((b, timing))
         block = BlockCost("b0", saved_bytes=1000 * b, input_bytes=10 * b, bwd_transient_bytes=300 if b == 1 else 200 * b)

@@ -166,14 +166,18 @@ class _OneSample(_Recorder):
     def __init__(self, room: int | None = None) -> None:
         super().__init__()
         self.room = room
+        self.checkpointed_first: list[bool] = []  # per profile: asked to start under checkpointing
 
     def profile(self, batch, own):
         from lightning_ckpt.profiling.profile_budget import SampleTooLong
+
+        from lightning_ckpt.profiling.profile_budget import wants_checkpointed_first
 
         length = batch["input_ids"].shape[1]
         if batch["input_ids"].shape[0] > 1:
             return super().profile(batch, own)
         self.profiled.append((length, own))
+        self.checkpointed_first.append(wants_checkpointed_first())
         if self.room is not None and length > self.room:
             raise SampleTooLong("it reached the room the memory budget leaves profiling")
         one = dataclasses.replace(_profile(length).probes[0], meta={"pass_bytes": length * length})
@@ -184,8 +188,12 @@ def test_one_sample_too_long_to_profile_whole_is_costed_past_its_prefixes_and_ke
     rec = _OneSample(room=100)
     plans = ShapePlans(rec.profile, rec.plan)
     first = plans.plan_for(_batch(1, 128))
-    # shortest first; the whole stopped; then the prefixes between, up to the first that is stopped
-    assert rec.profiled == [(32, False), (64, False), (96, False), (128, True), (48, False), (80, False), (112, False)]
+    # shortest first; the whole stopped; then the prefixes between, up to the first that is stopped; then the
+    # whole once more, asked to start under checkpointing (here stopped again)
+    assert rec.profiled == [
+        (32, False), (64, False), (96, False), (128, True), (48, False), (80, False), (112, False), (128, True)
+    ]
+    assert rec.checkpointed_first == [False] * 7 + [True]
     assert first.source.startswith("extrapolated from lengths 32, 48, 64, 80, 96 at batch 1")
     n = len(rec.profiled)
     assert plans.plan_for(_batch(1, 150)).source.startswith("extrapolated") and len(rec.profiled) == n

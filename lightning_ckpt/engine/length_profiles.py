@@ -20,7 +20,7 @@ from lightning_ckpt.costs.block_costs import StepCost
 from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.planning.policies import InfeasibleBudgetError
 from lightning_ckpt.planning.shape_profile import FIT_TOLERANCE, MIN_FIT_LENGTHS, ShapeProfile, checked_bytes
-from lightning_ckpt.profiling.profile_budget import MARGIN, SampleTooLong, released
+from lightning_ckpt.profiling.profile_budget import MARGIN, SampleTooLong, checkpointed_first, released
 from lightning_ckpt.profiling.shapes import BatchShape
 from lightning_ckpt.units import format_bytes
 
@@ -55,8 +55,9 @@ def profile_lengths(
     """Profile a sequence of `length` tokens at prefixes (`profile_at`), shortest first, and whole last;
     a length predicted not to fit the room (`MARGIN` held back) is not run, and the first that is stopped
     at it (`SampleTooLong`) ends the longer ones. When the whole does not fit, more prefixes between
-    those that did are profiled, so that the fit past them is checked on enough lengths. -> the lengths
-    profiled."""
+    those that did are profiled, so that the fit past them is checked on enough lengths, and the whole is
+    tried once more: a pass that does not fit unplanned is made under checkpointing, about what the `full`
+    plan holds (`profiling.measured_profile`). -> the lengths profiled."""
     passes: dict[int, int] = {}
     done: list[int] = []
 
@@ -79,6 +80,14 @@ def profile_lengths(
     run(FIRST_FRACTIONS)
     if length not in done:  # shortest first again, with those between: predicted from more passes now
         run(sorted((*FIRST_FRACTIONS[:-1], *MORE_FRACTIONS)))
+    if length not in done and length not in known:  # the whole once more: under checkpointing it may fit
+        released()
+        try:
+            with checkpointed_first():  # (unplanned it was predicted not to fit, or stopped)
+                profile_at(length)
+            done.append(length)
+        except SampleTooLong:
+            pass
     return tuple(sorted(done))
 
 

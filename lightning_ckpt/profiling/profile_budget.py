@@ -15,6 +15,8 @@ held (`SliceRoom.over_budget`), or, when the device itself ran out, `ProfileBudg
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import dataclasses
 import gc
 import math
 import warnings
@@ -31,7 +33,7 @@ from lightning_ckpt.profiling.tracker import LiveBytesOverLimit, unique_storage_
 from lightning_ckpt.units import format_bytes
 
 __all__ = [
-    "AT_LIMIT", "MARGIN", "NoRoom", "ProfileBudget", "ProfileBudgetError", "SliceRoom", "batch_bytes", "check_within",
+    "AT_LIMIT", "MARGIN", "NoRoom", "checkpointed_first", "wants_checkpointed_first", "ProfileBudget", "ProfileBudgetError", "SliceRoom", "batch_bytes", "check_within",
     "optional_pass", "probe_within", "released", "SampleTooLong", "smaller_probes", "why_stopped",
 ]
 
@@ -86,6 +88,11 @@ class SliceRoom:
     info: Callable[[str], None] = print
     passes: dict[int, int] = field(default_factory=dict)  # slice size -> bytes its pass held
     bounded: bool = True  # False once even the smallest probes did not fit: they run over the budget
+    recompute: bool = False  # the passes run under checkpointing (`recompute_probe`): unplanned ones did not fit
+
+    def under_checkpointing(self) -> SliceRoom:
+        """The same room for passes under checkpointing (their bytes predict only each other)."""
+        return dataclasses.replace(self, passes={}, recompute=True)
 
     @property
     def room_bytes(self) -> int:
@@ -151,18 +158,24 @@ class SliceRoom:
             "gradients, the batch)"
         )
 
-    def over_budget(self, stopped: int, sizes: Sequence[int]) -> str:
+    def over_budget(self, stopped: int, sizes: Sequence[int], why: str = "") -> str:
         """What a profile made over the budget held, and what to do (its probe on `stopped` samples was
-        stopped at the room; the probes ran on `sizes`)."""
+        stopped at the room; the probes ran on `sizes`, under checkpointing when `recompute`; `why`: why
+        not under checkpointing, when they were not)."""
         held = self.outside_bytes + max(self.passes.get(s, 0) for s in sizes)
+        how = (
+            "even under checkpointing (every block's saved tensors rebuilt in its backward, about what the `full` "
+            "plan holds, which is then over the budget at this size too)"
+            if self.recompute else f"unplanned ({why})" if why else "unplanned"
+        )
         return (
             f"lightning-ckpt: profiling could not stay within memory_budget={format_bytes(self.budget_bytes)}: "
-            f"unplanned, {stopped} sample(s) of the batch need more than the {format_bytes(max(0, self.room_bytes))} "
+            f"{how}, {stopped} sample(s) of the batch need more than the {format_bytes(max(0, self.room_bytes))} "
             f"it leaves beside the {self._resident()}. The step was profiled over it on probe_batch_sizes="
-            f"{tuple(sizes)}, holding {format_bytes(held)}, with no larger check slice (a profile under checkpointing "
-            "is not available); on a GPU short of that much it runs out of memory before the first step. To keep "
-            f"profiling within the budget, raise memory_budget to {format_bytes(held * (1 + MARGIN))} or more, or "
-            "make each sample smaller (a shorter maximum sequence length, smaller images)."
+            f"{tuple(sizes)}, holding {format_bytes(held)}, with no larger check slice; on a GPU short of that much "
+            f"it runs out of memory before the first step. To keep profiling within the budget, raise memory_budget "
+            f"to {format_bytes(held * (1 + MARGIN))} or more, or make each sample smaller (a shorter maximum sequence "
+            "length, smaller images)."
         )
 
     def refusal(self, size: int, stopped: str) -> ProfileBudgetError:
@@ -174,6 +187,25 @@ class SliceRoom:
             "Free device memory or lower memory_budget to what the device holds, or make each sample smaller (a "
             "shorter maximum sequence length, smaller images)."
         )
+
+
+_CHECKPOINTED_FIRST: contextvars.ContextVar[bool] = contextvars.ContextVar("checkpointed_first", default=False)
+
+
+@contextlib.contextmanager
+def checkpointed_first() -> Iterator[None]:
+    """Profiles made inside start under checkpointing (`recompute_probe`), with no unplanned pass first: for a
+    caller that already knows the unplanned pass does not fit (a stopped pass overshoots by the op that
+    stopped it)."""
+    token = _CHECKPOINTED_FIRST.set(True)
+    try:
+        yield
+    finally:
+        _CHECKPOINTED_FIRST.reset(token)
+
+
+def wants_checkpointed_first() -> bool:
+    return _CHECKPOINTED_FIRST.get()
 
 
 class NoRoom(Exception):
