@@ -28,7 +28,7 @@ from lightning_ckpt.apply.recompute_errors import explain_checkpoint_error
 from lightning_ckpt.engine.measured_steps import MeasuredStep, Reserves, judge_step
 from lightning_ckpt.engine.model_prep import Prepared, prepare_model
 from lightning_ckpt.engine.planned_costs import PlannedCosts
-from lightning_ckpt.engine.target_plan import plan_for_max, plan_for_target
+from lightning_ckpt.engine.target_plan import check_host_memory, plan_for_max, plan_for_target, with_offloaded
 from lightning_ckpt.costs.block_costs import StepCost
 from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.costs.machine_rates import MachineRates
@@ -296,8 +296,7 @@ class CheckpointEngine:
         shape = shape_of(batch) if shape is None else shape
         if len(set(shapes)) > 1:  # the ranks' batches differ: every rank runs the plan of the largest
             return self._plan_largest(batch, shape, shapes, batch_idx)
-        hit = self._shapes.cached(shape)
-        if hit is not None:
+        if (hit := self._shapes.cached(shape)) is not None:
             return met_again(hit)
         self._shapes.grow_corners = len(shapes) == 1  # one process: see `ShapePlans.grow_corners`
         self._batch_idx = batch_idx  # profiling takes the applied plan off first (`_profile_shape`): a shape costed
@@ -315,8 +314,9 @@ class CheckpointEngine:
                 self._shapes.add_profile(resumed.profile_shape, resumed.profile)
                 self.profile = resumed.profile
             if resumed is not None and resumed.plan is not None:  # checked for this very shape: no profile
+                check_host_memory(static := rank_zero_static(), self.settings.request())  # host memory as planned
                 self._costs.by_shape[shape] = resumed.cost
-                return resumed.plan
+                return with_offloaded(resumed.plan, static)
             return self._shapes.plan_for(batch, shape).plan
 
         try:
