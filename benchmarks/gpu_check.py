@@ -1,12 +1,16 @@
 """Does the plan hold for the memory the device really uses? One command, both examples.
 
     python benchmarks/gpu_check.py                      # CUDA, at most ~8 minutes on one GPU
+    python benchmarks/gpu_check.py --fsdp-offload-only  # CUDA, the FSDP2 CPU-offload case alone, ~1 minute
     OMP_NUM_THREADS=1 python benchmarks/gpu_check.py --device cpu --quick   # smoke run (CI), ~20 s
 
 For the encoder (48 blocks, batch 16) and the CNN (stem + 8 blocks, batch 64), in fp32 and
 bf16-mixed (autocast), it profiles the step as the callback does and runs `none`, `full` and
 `optimal` at two budgets (1/3 and 2/3 of the way from the `full` peak to the `none` peak), plus
-the encoder's lower-budget plan once under `torch.compile`. Per run: predicted peak, max
+the encoder's lower-budget plan once under `torch.compile`. On CUDA it also runs the encoder under
+FSDP2 with `CPUOffloadPolicy` on one rank (`fully_shard` per block and on the root): shards,
+gradients and AdamW's state in pinned host memory, `full` and `optimal` at the lower budget planned
+against the offload model (its host bytes printed), the device peak read by the allocator. Per run: predicted peak, max
 allocated and max reserved (CUDA; on CPU the tracked peak and the RSS peak above the run's
 start), and the step time as a ratio to `none`. The CUDA allocator is set as the callback
 sets it (expandable segments unless PYTORCH_CUDA_ALLOC_CONF is set; glibc malloc on CPU).
@@ -136,6 +140,77 @@ def run_case(name: str, precision: str, device: torch.device, quick: bool, steps
     return rows
 
 
+def run_fsdp_offload(device: torch.device, quick: bool, steps: int) -> list[dict]:
+    """The encoder under FSDP2 with `CPUOffloadPolicy` on one rank of its own process group; -> a row per
+    plan, as `run_case`'s. Meant for CUDA: on the CPU (a smoke run of this code) the policy moves nothing."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from lightning_ckpt.profiling.fsdp_memory import model_fsdp_memory
+
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model, batch, bs = encoder_example(quick)  # built on the CPU, where CPU offloading wants the parameters
+        batch = _to(batch, device)
+        _, names, blocks = lc.resolve_blocks(model, "blocks")
+        mesh = init_device_mesh(device.type, (1,))
+        policy = CPUOffloadPolicy(pin_memory=device.type == "cuda")  # pinning needs an accelerator
+        for block in blocks:
+            fully_shard(block, mesh=mesh, offload_policy=policy)
+        fully_shard(model, mesh=mesh, offload_policy=policy)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)  # steps the host shards, on the CPU
+
+        def loss_fn(b, m=model):
+            return F.cross_entropy(m(b[0]), b[1])
+
+        def step(b):
+            loss = loss_fn(b)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+        step(batch)  # gradients and AdamW state exist, FSDP2's groups are initialised
+        profile = lc.profile_model(model, blocks, loss_fn, batch, (1, 2), 4, names=names, timing=False)
+        memory = model_fsdp_memory(model)
+        cost = cost_at(profile, bs, memory.to_static_memory())
+        lo, hi = (lc.make_plan(cost, p).predicted_peak_bytes for p in ("full", "none"))
+        budget = int(lo + FRACTIONS[0] * (hi - lo))
+        print(f"gpu_check: FSDP2 CPU offload: {memory.host_bytes / MIB:.1f} MiB in host memory per rank "
+              f"({', '.join(f'{w} {n / MIB:.1f} MiB' for w, n in memory.host_parts)})")
+        rows = []
+        for label, plan, limit in (("full", lc.make_plan(cost, "full"), None),
+                                   ("optimal 33 %", lc.make_plan(cost, "optimal", budget), budget)):
+            applied = lc.apply_plan(blocks, plan)
+            try:
+                step(batch)
+                times = []
+                with _measured(device, model, opt, batch) as peaks:
+                    for _ in range(steps):
+                        _sync(device)
+                        t0 = time.perf_counter()
+                        step(batch)
+                        _sync(device)
+                        times.append(time.perf_counter() - t0)
+                error = None
+            except Exception as err:  # a failing run is a row of the table, not the end of the check
+                peaks, times, error = {"allocated": None, "reserved": None}, [float("nan")], f"{type(err).__name__}: {err}"
+            finally:
+                applied.remove()
+            rows.append({
+                "model": "encoder-fsdp2-offload", "precision": "fp32", "run": label, "budget": limit,
+                "predicted": plan.predicted_peak_bytes, "checkpointed": f"{len(plan.checkpointed)}/{plan.n_blocks}",
+                "allocated": peaks["allocated"], "reserved": peaks["reserved"], "step_s": statistics.median(times),
+                "error": error,
+            })
+        return rows
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
 def _mib(n) -> str:
     return "-" if n is None else f"{n / MIB:.1f}"
 
@@ -145,9 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--quick", action="store_true", help="small models, fp32 only, no compile: a smoke run")
     ap.add_argument("--steps", type=int, default=None, help="measured steps per run (default 5, quick 1)")
+    ap.add_argument("--fsdp-offload-only", action="store_true", help="CUDA: only the FSDP2 CPU-offload case")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: --device cuda but torch sees no CUDA device; run on a GPU machine or pass --device cpu.")
+        return 2
+    if args.fsdp_offload_only and args.device != "cuda":
+        print("gpu_check: --fsdp-offload-only needs CUDA (on the CPU, CPUOffloadPolicy moves nothing).")
         return 2
     device = torch.device(args.device)
     steps = args.steps or (1 if args.quick else 5)
@@ -158,10 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu_check: torch {torch.__version__}, {name}, {'quick' if args.quick else 'full'} run; allocator: "
           f"{setting.action} ({setting.kind})")
     rows = []
-    for model in ("encoder", "cnn"):
+    for model in () if args.fsdp_offload_only else ("encoder", "cnn"):
         for precision in precisions:
             compile_too = model == "encoder" and precision == "fp32" and not args.quick
             rows += run_case(model, precision, device, args.quick, steps, compile_too)
+    if device.type == "cuda":
+        rows += run_fsdp_offload(device, args.quick, steps)
     setting.restore()
     alloc_name, res_name = ("max allocated", "max reserved") if device.type == "cuda" else ("tracked peak", "RSS above start")
     print(f"\n| model | precision | run | checkpointed | budget MiB | predicted MiB | {alloc_name} MiB | {res_name} MiB "

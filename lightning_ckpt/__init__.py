@@ -23,7 +23,7 @@ from lightning_ckpt.profiling.rates import measure_rates
 from lightning_ckpt.profiling.static_memory import StaticMemory, static_memory
 from lightning_ckpt.profiling.step_peak import measure_step_peak
 from lightning_ckpt.profiling.tracker import LiveBytesTracker
-from lightning_ckpt.profiling.zero_memory import ZeroMemory, zero_memory
+from lightning_ckpt.profiling.zero_memory import ZeroMemory, ZeroOffload, zero_memory
 from lightning_ckpt.planning.memory_model import predict_peak
 from lightning_ckpt.planning.op_options import GRANULARITIES, OpOption, block_options
 from lightning_ckpt.planning.plan import Plan
@@ -65,6 +65,7 @@ __all__ = [
     "StepCost",
     "StepDriver",
     "ZeroMemory",
+    "ZeroOffload",
     "apply_plan",
     "apply_segments",
     "auto_checkpoint",

@@ -8,6 +8,7 @@ parameters with fp32 reduction), and DeepSpeed ZeRO-3 with the model built in `c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -52,6 +53,78 @@ def test_bf16_parameters_and_no_reshard():
     assert mem.unsharded_param_bytes == 2 * 2 * 20
     assert mem.sharded_param_bytes == 4 * 20 and mem.sharded_grad_bytes == 4 * 10
     assert mem.optimizer_state_bytes == 2 * 4 * 10 + 4 * 4
+
+
+def test_cpu_offload_keeps_only_the_gathered_parameters_on_the_device():
+    """`CPUOffloadPolicy` on every group: shards, gradients and optimizer state are host memory (the
+    optimizer steps there), the device holds the all-gather outputs and one group's copies of its shards."""
+    groups = [_group("<root>", 100, 98, reshard=False), _group("b0", 10), _group("b1", 30), _group("b2", 20)]
+    away = [dataclasses.replace(g, offload_to_cpu=True) for g in groups]
+    kept, mem = fsdp_memory(groups, largest_param_bytes=64), fsdp_memory(away, largest_param_bytes=64)
+    assert (mem.sharded_param_bytes, mem.sharded_grad_bytes, mem.optimizer_state_bytes) == (0, 0, 0)
+    assert (mem.host_param_bytes, mem.host_grad_bytes, mem.host_optimizer_state_bytes) == (
+        kept.sharded_param_bytes, kept.sharded_grad_bytes, kept.optimizer_state_bytes)
+    assert mem.unsharded_param_bytes == kept.unsharded_param_bytes and mem.offload_copy_bytes == 4 * 100
+    assert mem.held_bytes == kept.held_bytes  # the same bytes, elsewhere
+    static = mem.to_static_memory()
+    assert static.resident_bytes == mem.unsharded_param_bytes + 4 * 100
+    assert not static.grads_on_device and static.optimizer_transient_bytes == 0
+    assert static.host_bytes == kept.sharded_param_bytes + kept.sharded_grad_bytes + kept.optimizer_state_bytes
+    # one group left on the device keeps its gradients there
+    mixed = fsdp_memory([groups[0], *away[1:]]).to_static_memory()
+    assert mixed.grads_on_device and mixed.host_bytes == 4 * 60 * 2 + (2 * 4 * 60 + 3 * 4 * 4)
+
+
+@pytest.mark.timeout(120)
+def test_cpu_offload_policy_against_the_sharded_tensors_fsdp2_keeps():
+    """One gloo rank in this process, `fully_shard(..., offload_policy=CPUOffloadPolicy(pin_memory=False))`
+    per block and on the root, AdamW, two steps. On CPU the policy moves nothing (its default pins memory,
+    which needs an accelerator), so the check is of the static model against the tensors FSDP2 made for
+    the host: its padded shards (the parameters' local tensors view them), their gradients and the
+    optimizer state, counted from the module and the optimizer as unique storages."""
+    import torch
+    import torch.distributed as dist
+    from models import TinyChain
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from lightning_ckpt.frontends.lightning.strategy_hooks import strategy_static_memory
+    from lightning_ckpt.profiling.fsdp_memory import fsdp_host_tensors, model_fsdp_memory
+    from lightning_ckpt.profiling.tracker import local_tensor, unique_storage_bytes
+
+    if dist.is_initialized():
+        pytest.fail("a process group is already initialised in this process; this test needs it free")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        net = TinyChain(n_blocks=3, d=16)
+        mesh = init_device_mesh("cpu", (1,))
+        policy = CPUOffloadPolicy(pin_memory=False)
+        for block in net.blocks:
+            fully_shard(block, mesh=mesh, offload_policy=policy)
+        fully_shard(net, mesh=mesh, offload_policy=policy)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        x = torch.randint(0, 50, (2, 5))
+        for _ in range(2):
+            opt.zero_grad()
+            net(x).sum().backward()
+            opt.step()
+        mem = model_fsdp_memory(net)
+        params = list(net.parameters())
+        host = [local_tensor(p) for p in params] + [local_tensor(p.grad) for p in params]
+        host += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        assert mem.host_bytes == unique_storage_bytes(host) > 0
+        assert unique_storage_bytes(fsdp_host_tensors(net, [opt])) == mem.host_bytes
+        assert (mem.sharded_param_bytes, mem.sharded_grad_bytes, mem.optimizer_state_bytes) == (0, 0, 0)
+        assert mem.unsharded_param_bytes > 0  # the root's all-gather outputs, kept gathered, stay on the device
+
+        class Trainer:  # what `strategy_static_memory` reads of a trainer
+            strategy, optimizers = object(), [opt]
+
+        static = strategy_static_memory(Trainer(), net)
+        assert static.host_bytes == mem.host_bytes and not static.grads_on_device
+    finally:
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------- two CPU ranks

@@ -41,3 +41,15 @@ def test_cuda_run_of_one_case_reads_allocated_and_reserved():
 
     rows = gpu_check.run_case("cnn", "fp32", torch.device("cuda"), quick=True, steps=1, compile_too=False)
     assert all(r["error"] is None and r["reserved"] >= r["allocated"] > 0 for r in rows)
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_offload_case_runs_its_plans():
+    """The CUDA-only FSDP2 CPU-offload case, run on the CPU (where the policy moves nothing): its code
+    runs, plans against the offload model and measures every plan."""
+    import gpu_check
+
+    rows = gpu_check.run_fsdp_offload(torch.device("cpu"), quick=True, steps=1)
+    assert [r["run"] for r in rows] == ["full", "optimal 33 %"]
+    assert all(r["error"] is None and r["allocated"] > 0 for r in rows), rows
+    assert rows[1]["predicted"] <= rows[1]["budget"]

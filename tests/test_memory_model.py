@@ -363,3 +363,32 @@ def test_element_needs_counted_by_hand():
     peak = predict_peak(cost, [(1, 2)])
     assert peak.peak_bytes == 30 + seg.backward_bytes and peak.phase == "backward:c"
     assert peak.forward_bytes == max(kept.forward_bytes, 30 + seg.forward_bytes, 100 + 30 + 5 + 8)
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_gradients_that_leave_the_device_do_not_build_up(accumulate):
+    """ZeRO-Offload sends each gradient through its buckets to the host as the backward makes it: the
+    gradients of blocks whose backward is done, of the last step and of earlier micro-batches are not on
+    the device; a block's own are still in its backward (`bwd_transient_bytes`)."""
+    blocks = tuple(
+        BlockCost(f"b{i}", saved_bytes=30, input_bytes=4, input_saved_bytes=4, output_bytes=4, grad_bytes=50,
+                  bwd_transient_bytes=60)
+        for i in range(3)
+    )
+    kept = StepCost(blocks=blocks, batch_size=1, static_bytes=100, outside_grad_bytes=20, post_saved_bytes=8,
+                    optimizer_transient_bytes=7, grads_accumulate=accumulate)
+    away = dataclasses.replace(kept, grads_on_device=False)
+    terms = step_terms(away)
+    assert terms.forward_grad_bytes == 0 and terms.gradients_after == (0, 0, 0)
+    assert step_terms(kept).gradients_after == ((170,) * 3 if accumulate else (120, 70, 20))
+    assert optimizer_need(away) == 100 + 7 and optimizer_need(kept) == 100 + 170 + 7
+    assert away.device_grad_bytes == 0 and away.grad_bytes == kept.grad_bytes == 170
+    # as if the parameters had no gradients, but for each block's own scratch, which keeps them
+    none = dataclasses.replace(
+        kept, outside_grad_bytes=0, blocks=tuple(dataclasses.replace(b, grad_bytes=0) for b in blocks)
+    )
+    for segments in ([], [(0, 2)], [(1, 1)], [(0, 0), (1, 2)]):
+        off = predict_peak(away, segments)
+        assert off == predict_peak(none, segments), segments
+        assert off.backward_bytes < predict_peak(kept, segments).backward_bytes
+    assert StepCost.from_dict(away.to_dict()) == away

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
 
 from lightning_ckpt.engine.target_plan import (
     PlanRequest,
+    check_host_memory,
     cost_at,
     plan_for_max,
     plan_for_target,
 )
+from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.planning.capacity import plan_if_fits
 from lightning_ckpt.costs.block_costs import BlockCost, StepCost
 from lightning_ckpt.costs.linear_fit import Profile
@@ -106,3 +109,37 @@ def test_nothing_fits_says_what_the_static_part_takes():
         r"for the activations of one sample",
     ):
         plan_for_target(PROFILE, STATIC, _request(1024), 8)
+
+
+OFFLOADED = dataclasses.replace(
+    STATIC, grads_on_device=False, nvme_bytes=7 * 2**20,
+    host_parts=(("fp32 master weights", 3 * 2**20), ("optimizer state", 6 * 2**20)),
+)
+
+
+def test_a_host_budget_too_small_is_refused_naming_both_numbers():
+    """What the strategy keeps in host memory is checked before any planning, for a fixed target and for 'max'."""
+    request = dataclasses.replace(_request(10**9), host_budget_bytes=8 * 2**20)
+    expected = (r"keeps 9\.0 MiB per rank in host memory \(fp32 master weights 3\.0 MiB, optimizer state 6\.0 MiB\), "
+                r"over the host budget of 8\.0 MiB: the host cannot hold what is offloaded to it\. Raise host_memory_budget")
+    with pytest.raises(InfeasibleBudgetError, match=expected):
+        plan_for_target(PROFILE, OFFLOADED, request, 8)
+    with pytest.raises(InfeasibleBudgetError, match=expected):
+        plan_for_max(PROFILE, OFFLOADED, request, 1)
+    check_host_memory(OFFLOADED, dataclasses.replace(request, host_budget_bytes=9 * 2**20))  # exactly enough
+    check_host_memory(OFFLOADED, _request(10**9))  # no host budget: nothing checked
+    check_host_memory(STATIC, request)  # nothing offloaded
+
+
+def test_the_plan_carries_the_host_and_nvme_bytes_and_gradients_off_the_device():
+    request = dataclasses.replace(_request(10**9), host_budget_bytes=2**30)
+    plan, cost = plan_for_target(PROFILE, OFFLOADED, request, 8)
+    assert (plan.host_bytes, plan.nvme_bytes) == (9 * 2**20, 7 * 2**20)
+    assert not cost.grads_on_device and cost_at(PROFILE, 8, STATIC).grads_on_device
+    line = next(ln for ln in str(plan).splitlines() if ln.startswith("predicted peak"))
+    assert line.endswith("; offloaded: 9.0 MiB in host memory, 7.0 MiB on NVMe"), line
+    assert plan.to_dict()["host_bytes"] == 9 * 2**20 and Plan.from_dict(plan.to_dict()) == plan
+    plain, _ = plan_for_target(PROFILE, STATIC, request, 8)
+    assert (plain.host_bytes, plain.nvme_bytes) == (0, 0) and "offloaded" not in str(plain)
+    best, _ = plan_for_max(PROFILE, OFFLOADED, dataclasses.replace(request, budget_bytes=40_000), 1)
+    assert best.host_bytes == 9 * 2**20

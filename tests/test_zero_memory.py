@@ -10,6 +10,7 @@ from lightning_ckpt.profiling.zero_memory import (
     PRECISIONS,
     STAGES,
     ZeroMemory,
+    ZeroOffload,
     zero_memory,
     zero_static_memory,
 )
@@ -150,3 +151,118 @@ def test_bad_input(kwargs, match):
         zero_memory(PARAMS, **kwargs)
     with pytest.raises(ValueError, match="non-negative"):
         zero_memory([(-1, True)], stage=1, world_size=2, precision="32-true")
+
+
+# ---------------------------------------------------------------------------- ZeRO-Offload
+
+CPU = ZeroOffload(optimizer_device="cpu")
+CPU_BOTH = ZeroOffload(optimizer_device="cpu", param_device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("stage", "offload", "kw", "expected"),
+    [
+        # stage 2 on two ranks: whole bf16 parameters, a one-parameter (1000-element) gradient buffer and
+        # the two overlapping buckets stay; this rank's half (505) of the trainable elements goes to the host
+        # as fp32 master, fp32 gradient and two moments, with a bf16 copy of it and a host gradient buffer
+        (2, CPU, dict(overlap_comm=True), dict(
+            param_bytes=2 * 1510, master_bytes=0, optimizer_state_bytes=0, offload_buffer_bytes=2 * 1000,
+            bucket_bytes=2 * 2 * BUCKET, grads_on_device=False, step_transient_bytes=4 * 1000,
+            host_master_bytes=4 * 505, host_grad_bytes=4 * 505, host_optimizer_state_bytes=8 * 505 + 4,
+            host_buffer_bytes=2 * 505 + 2 * 1000)),
+        # stage 1 reduces during the backward only with overlap_comm; without it gradients build up
+        (1, CPU, dict(overlap_comm=False), dict(grads_on_device=True, bucket_bytes=2 * BUCKET)),
+        (1, CPU, dict(overlap_comm=True), dict(grads_on_device=False)),
+        # NVMe at stages 1-2 is host memory as for cpu (DeepSpeed swaps at stage 3 only)
+        (2, ZeroOffload(optimizer_device="nvme"), {}, dict(host_master_bytes=4 * 505, nvme_bytes=0)),
+        # accumulating micro-batches adds a bf16 copy of the partition's gradients in host memory
+        (2, CPU, dict(accumulation_steps=4), dict(host_buffer_bytes=2 * 505 + 2 * 1000 + 2 * 505)),
+        # stage 3, optimizer offloaded: partitions (500 + 5 + 250) and the bucket stay, gradients go
+        (3, CPU, {}, dict(
+            param_bytes=2 * 755, grad_bytes=0, master_bytes=0, optimizer_state_bytes=0, bucket_bytes=2 * BUCKET,
+            grads_on_device=False, host_master_bytes=4 * 505, host_grad_bytes=4 * 505,
+            host_optimizer_state_bytes=8 * 505 + 4, host_buffer_bytes=2 * 505, gather_bytes=2 * 1510)),
+        # and the parameters: only the gathered ones on the device, the partitions in host memory
+        (3, CPU_BOTH, {}, dict(param_bytes=0, host_param_bytes=2 * 755, gather_bytes=2 * 1510)),
+        # stage 3, optimizer on NVMe: fp32 partition, gradient and moments swapped out through four host
+        # buffers as large as the largest sub-group (here all 505 trainable partition elements)
+        (3, ZeroOffload(optimizer_device="nvme"), {}, dict(
+            host_master_bytes=0, host_optimizer_state_bytes=0, host_buffer_bytes=2 * 505 + 4 * 4 * 505,
+            nvme_bytes=4 * 505 * 2 + 8 * 505 + 4)),
+        # parameters on NVMe: 600 partition elements stay in host memory (max_in_cpu), the rest is swapped,
+        # through two buffers of 100 elements
+        (3, ZeroOffload(param_device="nvme", param_max_in_cpu_elements=600, param_buffer_count=2,
+                        param_buffer_elements=100), {}, dict(
+            param_bytes=0, host_param_bytes=2 * 600, host_buffer_bytes=2 * 2 * 100, nvme_bytes=2 * 155,
+            master_bytes=4 * 505, grads_on_device=True)),
+    ],
+)
+def test_offload_hand_computed(stage, offload, kw, expected):
+    zm = _zm(stage, "bf16-mixed", persistence_threshold=0, offload=offload, **kw)
+    for field, value in expected.items():
+        assert getattr(zm, field) == value, field
+
+
+def test_offloaded_state_is_in_host_parts_not_in_the_device_static_memory():
+    zm = _zm(2, "bf16-mixed", offload=CPU, overlap_comm=True)
+    sm = zm.to_static_memory()
+    assert sm.resident_bytes == 2 * 1510 + 2 * 1000 + 2 * 2 * BUCKET  # parameters, gradient buffer, buckets
+    assert not sm.grads_on_device and sm.optimizer_transient_bytes == 4 * 1000
+    assert dict(sm.host_parts) == {
+        "fp32 master weights": 4 * 505, "fp32 gradients": 4 * 505, "optimizer state": 8 * 505 + 4,
+        "copy buffers": 2 * 505 + 2 * 1000,
+    }
+    assert sm.host_bytes == zm.host_bytes and zm.held_bytes == zm.device_held_bytes + zm.host_bytes
+    not_offloaded = _zm(2, "bf16-mixed", overlap_comm=True).to_static_memory()
+    assert not_offloaded.host_parts == () and not_offloaded.grads_on_device
+    assert sm.resident_bytes + sm.host_bytes > not_offloaded.resident_bytes  # offloading adds copy buffers
+
+
+def test_gathered_parameters_on_one_rank_and_with_a_module_bound():
+    # one rank: the gathered parameter is the partition itself, on the device already
+    assert _zm(3, world_size=1, persistence_threshold=0).gather_bytes == 0
+    # unless the partitions are in host memory: then each gathered one is a device copy
+    assert _zm(3, world_size=1, persistence_threshold=0, offload=CPU_BOTH).gather_bytes == 4 * 1510
+    # no prefetching and nothing kept for reuse: one module's parameters at a time
+    bound = dict(largest_module_elements=1010, prefetch_bucket_size=0, max_reuse_distance=0)
+    assert _zm(3, persistence_threshold=0, **bound).gather_bytes == 4 * 1010
+    assert _zm(3, persistence_threshold=0, **{**bound, "prefetch_bucket_size": 200}).gather_bytes == 4 * 1210
+    assert _zm(3, persistence_threshold=0, **{**bound, "max_reuse_distance": 10**9}).gather_bytes == 4 * 1510
+
+
+# DeepSpeed 0.19.8 on one CPU rank, bf16-mixed, DeepSpeedCPUAdam, `tests/test_zero_offload.py`'s model
+# (TinyChain, 6 blocks, d=128; buckets of 2**18 elements, overlap_comm): the device tensors before a
+# steady step (flat parameters or partitions, DeepSpeed's gradient buffer, ZeRO-3's bucket; the batch left
+# out) and the host tensors (`test_zero_offload.host_tensors`), unique storages.
+MEASURED_OFFLOAD = {
+    (2, "cpu", "none"): (1_728_264, 14_505_800),
+    (3, "cpu", "none"): (2_121_478, 14_374_710),
+    (3, "cpu", "cpu"): (524_288, 15_971_900),
+}
+
+
+@pytest.mark.parametrize(("stage", "optimizer", "params"), sorted(MEASURED_OFFLOAD))
+def test_offload_matches_deepspeeds_device_and_host_tensors(stage, optimizer, params):
+    net = TinyChain(n_blocks=6, d=128, vocab=50, n_classes=3)
+    zm = zero_memory(
+        [(p.numel(), True) for p in net.parameters()], stage=stage, world_size=1, precision="bf16-mixed",
+        persistence_threshold=0, reduce_bucket_size=2**18, overlap_comm=True,
+        offload=ZeroOffload(optimizer_device=optimizer, param_device=params),
+    )
+    device, host = MEASURED_OFFLOAD[(stage, optimizer, params)]
+    assert abs(zm.device_held_bytes - device) <= 0.001 * device, (zm.device_held_bytes, device)
+    assert abs(zm.host_bytes - host) <= 0.001 * host, (zm.host_bytes, host)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(stage=0, offload=CPU), r"DeepSpeed offloads the optimizer at ZeRO stages 1-3 and the parameters at stage 3"),
+        (dict(stage=2, offload=ZeroOffload(param_device="cpu")), r"stage=2 with offload_optimizer='none', offload_param='cpu'"),
+    ],
+)
+def test_offload_where_deepspeed_has_none(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        zero_memory(PARAMS, world_size=2, precision="bf16-mixed", **kwargs)
+    with pytest.raises(ValueError, match=r"ZeroOffload optimizer_device='gpu' is not a DeepSpeed offload device"):
+        ZeroOffload(optimizer_device="gpu")

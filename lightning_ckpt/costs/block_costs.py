@@ -237,6 +237,11 @@ class StepCost:
         backward that makes it, which `bwd_transient_bytes` (profiled with no gradients
         allocated, so each gradient is new there) already holds.
     optimizer_transient_bytes: scratch space of the optimizer step.
+    grads_on_device: False when the strategy moves each parameter gradient off the device as the
+        backward makes it (ZeRO-Offload, FSDP2's CPU offloading; the buckets it passes through are
+        static memory): the gradients of finished blocks, of the last step and of earlier
+        micro-batches are then not on the device. A block's own gradients, made in its backward,
+        stay in its `bwd_transient_bytes`.
     carried_end_bytes: carried storages (`BlockCost.carried_fwd_bytes`) alive when the last block's
         forward ends: the head, the loss and the head's backward run on top of them.
     meta: what explains the numbers: `step_fwd_flops`, and `rates` (a
@@ -255,6 +260,7 @@ class StepCost:
     grads_accumulate: bool = False
     optimizer_transient_bytes: int = 0
     carried_end_bytes: int = 0
+    grads_on_device: bool = True
     meta: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -285,6 +291,11 @@ class StepCost:
     def grad_bytes(self) -> int:
         return self.outside_grad_bytes + sum(b.grad_bytes for b in self.blocks)
 
+    @property
+    def device_grad_bytes(self) -> int:
+        """The parameter gradients when all exist on the device: `grad_bytes`, or 0 when they leave it."""
+        return self.grad_bytes if self.grads_on_device else 0
+
     def to_dict(self) -> dict:
         return {
             "batch_size": self.batch_size,
@@ -298,6 +309,7 @@ class StepCost:
             "grads_accumulate": self.grads_accumulate,
             "optimizer_transient_bytes": self.optimizer_transient_bytes,
             "carried_end_bytes": self.carried_end_bytes,
+            "grads_on_device": self.grads_on_device,
             "blocks": [dataclasses.asdict(b) for b in self.blocks],
             "meta": dict(self.meta),
         }

@@ -1,8 +1,8 @@
 """Checks of `ActivationCheckpointing`'s arguments, with messages that say what to do.
 
 Values are checked when the callback is built (`__init__`), so a bad YAML config fails
-before any training; the memory budget's default depends on the device, so it is
-resolved in `setup`.
+before any training; the memory budget's default depends on the device, and the host budget's
+on the machine and its ranks, so both are resolved in `setup`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,11 @@ import torch
 from lightning_ckpt.planning.op_options import GRANULARITIES
 from lightning_ckpt.planning.policies import POLICIES
 from lightning_ckpt.planning.recompute_cost import COST_METRICS
+from lightning_ckpt.profiling.rss import available_host_bytes
 
 DEFAULT_CUDA_FRACTION = 0.9  # the default budget on CUDA: this share of the memory free at fit start
+# the default host budget: this share of the host memory available at fit start, split between the local ranks
+DEFAULT_HOST_FRACTION = 0.8
 
 
 def positive_int(value: Any, name: str, hint: str) -> int:
@@ -160,3 +163,12 @@ def cuda_default_budget(device: torch.device) -> int:
     the card's total, which other processes and the CUDA context also take from."""
     free_bytes, _ = torch.cuda.mem_get_info(device)
     return int(DEFAULT_CUDA_FRACTION * (free_bytes + torch.cuda.memory_reserved(device)))
+
+
+def resolve_host_budget(host_memory_budget: int | None, local_ranks: int) -> int | None:
+    """The per-rank host budget for what a strategy offloads: the one given, else `DEFAULT_HOST_FRACTION`
+    of the host memory available now divided by the ranks on this machine; None where that is unknown."""
+    if host_memory_budget is not None:
+        return host_memory_budget
+    available = available_host_bytes()
+    return None if available is None else int(DEFAULT_HOST_FRACTION * available) // max(1, local_ranks)

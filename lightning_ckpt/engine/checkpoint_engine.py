@@ -4,9 +4,8 @@ The callback, `auto_checkpoint` (plain loops, Fabric) and any other front end ow
 theirs (where batches come from, what a step is, how to log); the engine owns the rest:
 
 - the blocks and what was profiled of them, kept while the blocks stay the same;
-- a plan per batch shape (`shape_plans.ShapePlans`), made on rank 0 and broadcast, so that all
-  ranks apply the same plan; when the ranks' batches differ in shape every rank runs the plan of
-  the elementwise-largest;
+- a plan per batch shape (`shape_plans.ShapePlans`), made on rank 0 and broadcast to every rank; when
+  the ranks' batches differ in shape every rank runs the plan of the elementwise-largest;
 - the applied plan, switched when the shape changes (hooks only, kept when the regions are the same).
 
 A front end hands it a `StepDriver` (`engine.engine_inputs`): one step's profile on slices of a batch, the static memory,
@@ -29,7 +28,8 @@ from lightning_ckpt.apply.recompute_errors import explain_checkpoint_error
 from lightning_ckpt.engine.measured_steps import MeasuredStep, Reserves, judge_step
 from lightning_ckpt.engine.model_prep import Prepared, prepare_model
 from lightning_ckpt.engine.planned_costs import PlannedCosts
-from lightning_ckpt.engine.target_plan import batch_error, fits_target, plan_for_max_at, plan_for_target
+from lightning_ckpt.engine.target_plan import (batch_error, check_host_memory, fits_target, plan_for_max_at, plan_for_target,
+                                               with_offloaded)
 from lightning_ckpt.costs.block_costs import StepCost
 from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.costs.machine_rates import MachineRates
@@ -311,8 +311,7 @@ class CheckpointEngine:
         shape = shape_of(batch) if shape is None else shape
         if len(set(shapes)) > 1:  # the ranks' batches differ: every rank runs the plan of the largest
             return self._plan_largest(batch, shape, shapes, batch_idx)
-        hit = self._shapes.cached(shape)
-        if hit is not None:
+        if (hit := self._shapes.cached(shape)) is not None:
             return met_again(hit)
         self._shapes.grow_corners = len(shapes) == 1  # one process: see `ShapePlans.grow_corners`
         self._batch_idx = batch_idx  # profiling takes the applied plan off first (`_profile_shape`): a shape costed
@@ -330,8 +329,9 @@ class CheckpointEngine:
                 self._shapes.add_profile(resumed.profile_shape, resumed.profile)
                 self.profile = resumed.profile
             if resumed is not None and resumed.plan is not None:  # checked for this very shape: no profile
+                check_host_memory(static := rank_zero_static(), self.settings.request())  # host memory as planned
                 self._costs.by_shape[shape] = resumed.cost
-                return resumed.plan
+                return with_offloaded(resumed.plan, static)
             return self._shapes.plan_for(batch, shape).plan
 
         try:

@@ -39,10 +39,12 @@ class EngineSettings:
     keep_hf_checkpointing: bool = False  # leave a model's own (HF) activation checkpointing in charge
     # let blocks whose forward writes Python state be checkpointed: True (all) or their names
     allow_python_state: bool | tuple[str, ...] = False
+    host_budget_bytes: int | None = None  # per-rank host memory for what the strategy offloads; None: unchecked
 
     def request(self) -> PlanRequest:
         return PlanRequest(
-            self.budget_bytes, self.policy, self.every_k, self.cost_metric, self.granularity, self.max_levels
+            self.budget_bytes, self.policy, self.every_k, self.cost_metric, self.granularity, self.max_levels,
+            self.host_budget_bytes,
         )
 
 

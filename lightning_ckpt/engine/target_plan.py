@@ -1,11 +1,14 @@
 """The callback's plan for its target: a fixed batch size within the budget, or the largest that fits.
 
 Plain functions over the fitted profile and the per-device static memory. When the target
-cannot fit they raise `InfeasibleBudgetError` naming the largest batch that would.
+cannot fit they raise `InfeasibleBudgetError` naming the largest batch that would; when what the
+strategy keeps in host memory (ZeRO-Offload, FSDP2's CPU offloading) is over the host budget, they
+raise it naming both, before any planning. A plan carries the host and NVMe bytes beside its peak.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,6 +32,7 @@ class PlanRequest:
     cost_metric: str
     granularity: str = "block"
     max_levels: int = 2  # policy="optimal" may nest segments this deep
+    host_budget_bytes: int | None = None  # per-rank host memory for what the strategy offloads; None: unchecked
 
 
 def cost_at(profile: Profile, batch_size: int, static: StaticMemory) -> StepCost:
@@ -38,11 +42,34 @@ def cost_at(profile: Profile, batch_size: int, static: StaticMemory) -> StepCost
         static_bytes=static.resident_bytes,
         optimizer_transient_bytes=static.optimizer_transient_bytes,
         grads_live_in_forward=True,
+        grads_on_device=static.grads_on_device,
     )
+
+
+def check_host_memory(static: StaticMemory, request: PlanRequest) -> None:
+    """InfeasibleBudgetError when what the strategy keeps in host memory for this rank is over
+    `request.host_budget_bytes` (nothing to check without offloading or without a host budget)."""
+    host, budget = static.host_bytes, request.host_budget_bytes
+    if budget is None or host <= budget:
+        return
+    each = ", ".join(f"{what} {format_bytes(n)}" for what, n in static.host_parts)
+    raise InfeasibleBudgetError(
+        f"the strategy keeps {format_bytes(host)} per rank in host memory ({each}), over the host budget of "
+        f"{format_bytes(budget)}: the host cannot hold what is offloaded to it. Raise host_memory_budget, "
+        "train on more ranks (the offloaded state is partitioned over them) or offload to NVMe."
+    )
+
+
+def with_offloaded(plan: Plan, static: StaticMemory) -> Plan:
+    """`plan` with what the strategy keeps in host memory and on NVMe beside its device peak."""
+    if not static.host_bytes and not static.nvme_bytes:
+        return plan
+    return dataclasses.replace(plan, host_bytes=static.host_bytes, nvme_bytes=static.nvme_bytes)
 
 
 def plan_for_target(profile: Profile, static: StaticMemory, request: PlanRequest, target: int) -> tuple[Plan, StepCost]:
     """The plan at batch `target` and its cost; InfeasibleBudgetError when it does not fit."""
+    check_host_memory(static, request)
     cost = cost_at(profile, target, static)
     try:
         plan = make_plan(
@@ -52,7 +79,7 @@ def plan_for_target(profile: Profile, static: StaticMemory, request: PlanRequest
     except InfeasibleBudgetError:
         plan = None
     if plan is not None and plan.fits:
-        return plan, cost
+        return with_offloaded(plan, static), cost
     largest, _ = largest_batch(  # for the policy asked for: the batch that would fit as configured
         lambda b: cost_at(profile, b, static), request.budget_bytes, request.policy, upper=target,
         every_k=request.every_k, metric=request.cost_metric, granularity=request.granularity,
@@ -88,6 +115,7 @@ def plan_for_target(profile: Profile, static: StaticMemory, request: PlanRequest
 
 def plan_for_max(profile: Profile, static: StaticMemory, request: PlanRequest, multiple: int) -> tuple[Plan, StepCost]:
     """The plan at the largest multiple of `multiple` that fits, and its cost."""
+    check_host_memory(static, request)
     best, plan = largest_batch(
         lambda b: cost_at(profile, b, static), request.budget_bytes, request.policy, multiple,
         every_k=request.every_k, metric=request.cost_metric, granularity=request.granularity,
@@ -99,7 +127,7 @@ def plan_for_max(profile: Profile, static: StaticMemory, request: PlanRequest, m
             f"{format_bytes(request.budget_bytes)} with policy={request.policy!r}; raise memory_budget or lower "
             "batch_multiple."
         )
-    return plan, cost_at(profile, best, static)
+    return with_offloaded(plan, static), cost_at(profile, best, static)
 
 
 def plan_for_max_at(

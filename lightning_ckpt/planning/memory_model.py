@@ -85,8 +85,8 @@ def base_bytes(cost: StepCost) -> int:
 def forward_grad_bytes(cost: StepCost) -> int:
     """The parameter gradients allocated during the forward: last step's, when they are
     still allocated (`grads_live_in_forward`), or those earlier micro-batches accumulated
-    (`grads_accumulate`)."""
-    return cost.grad_bytes if cost.grads_live_in_forward or cost.grads_accumulate else 0
+    (`grads_accumulate`); none when gradients leave the device (`grads_on_device`)."""
+    return cost.device_grad_bytes if cost.grads_live_in_forward or cost.grads_accumulate else 0
 
 
 def gradients_after(cost: StepCost) -> list[int]:
@@ -95,7 +95,10 @@ def gradients_after(cost: StepCost) -> list[int]:
     the chain after it (`gap_grad_bytes`); all of them when the step accumulates into
     gradients earlier micro-batches made. The new gradient autograd holds while it adds it
     into `.grad` is in the block's `bwd_transient_bytes` (profiled with `.grad` unset, where it
-    stays), so accumulating adds no term beside these."""
+    stays), so accumulating adds no term beside these. None when gradients leave the device as they
+    are made (`grads_on_device`): a block's own are in its `bwd_transient_bytes`."""
+    if not cost.grads_on_device:
+        return [0] * cost.n_blocks
     if cost.grads_accumulate:
         return [cost.grad_bytes] * cost.n_blocks
     after = [0] * cost.n_blocks
@@ -108,7 +111,9 @@ def gradients_after(cost: StepCost) -> list[int]:
 
 def head_grad_bytes(cost: StepCost) -> int:
     """The parameter gradients that exist during the head's backward: those it makes, or all
-    of them when the step accumulates (`gradients_after`)."""
+    of them when the step accumulates, none when they leave the device (`gradients_after`)."""
+    if not cost.grads_on_device:
+        return 0
     return cost.grad_bytes if cost.grads_accumulate else cost.head_outside_grad_bytes
 
 
@@ -168,8 +173,8 @@ def end_relief(cost: StepCost, last_kept: bool) -> int:
 
 def optimizer_need(cost: StepCost) -> int:
     """The optimizer step: parameters and state, all gradients, the optimizer's scratch (and the
-    batch, which the training loop holds until the step ends)."""
-    return cost.static_bytes + cost.batch_bytes + cost.grad_bytes + cost.optimizer_transient_bytes
+    batch, which the training loop holds until the step ends); the gradients only when they stay on the device."""
+    return cost.static_bytes + cost.batch_bytes + cost.device_grad_bytes + cost.optimizer_transient_bytes
 
 
 def peak_floor_bytes(cost: StepCost) -> int:

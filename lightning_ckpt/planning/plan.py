@@ -1,7 +1,7 @@
 """`Plan`: which blocks are checkpointed, how they are grouped, and what that costs.
 
-A plan is plain data: the segments, the predicted peak against the budget, the
-recompute it buys that with, and a per-block table for people (`str(plan)`, block
+A plan is plain data: the segments, the predicted peak against the budget (per device; what an
+offloading strategy keeps in host memory and on NVMe beside it), the recompute it buys that with, and a per-block table for people (`str(plan)`, block
 names after their common dotted prefix, which is printed once) and for loggers and
 checkpoints (`to_dict()` / `from_dict()`).
 """
@@ -111,6 +111,8 @@ class Plan:
     # segments recomputed inside another segment's recompute (multi-level plans): each lies strictly
     # inside one of `segments` or of another inner segment; together with `segments` a nested family
     inner_segments: tuple[tuple[int, int], ...] = ()
+    host_bytes: int = 0  # kept in host memory per rank by an offloading strategy (not in the device peak)
+    nvme_bytes: int = 0  # swapped out to NVMe per rank
 
     @property
     def keep_ops(self) -> dict[int, tuple[tuple[str, int], ...]]:
@@ -184,6 +186,8 @@ class Plan:
         lines.append(
             f"predicted peak {format_bytes(self.predicted_peak_bytes)} (at {self.peak_phase}) vs budget {budget}: {verdict}; "
             f"static {format_bytes(self.static_bytes)}"
+            + (f"; offloaded: {format_bytes(self.host_bytes)} in host memory" if self.host_bytes else "")
+            + (f", {format_bytes(self.nvme_bytes)} on NVMe" if self.nvme_bytes else "")
         )
         timed = f" ({self.recompute_ms:.1f} ms measured forward time)" if self.recompute_ms > 0 else ""
         lines.append(f"recompute {format_flops(self.recompute_flops)}FLOP = {100 * self.recompute_share:.1f}% of the step{timed}")
@@ -229,6 +233,8 @@ class Plan:
             "keeps": [[p, [list(k) for k in keys]] for p, keys in self.keeps],
             "gap": self.gap,
             "inner_segments": [list(s) for s in self.inner_segments],
+            "host_bytes": self.host_bytes,
+            "nvme_bytes": self.nvme_bytes,
         }
 
     @classmethod

@@ -138,7 +138,7 @@ def _optimal(
 
 
 def _infeasible_message(cost: StepCost, budget_bytes: int, policy: str, max_levels: int = 1) -> str:
-    floor = cost.static_bytes + cost.grad_bytes + cost.optimizer_transient_bytes
+    floor = cost.static_bytes + cost.device_grad_bytes + cost.optimizer_transient_bytes
     if policy != "optimal":
         levels = ""
     elif max_levels > 1 and cost.n_blocks <= NESTED_MAX_BLOCKS:

@@ -3,7 +3,10 @@
 `fsdp_groups` reads each `FSDPParamGroup` of a sharded model as plain sizes; `fsdp_memory`
 turns them into the bytes one rank holds, each term named after the FSDP2 structure it
 stands for (padded shards, the reduce-scatter output the gradients view, the all-gather
-outputs the unsharded parameters view). `fsdp_held_bytes` counts those structures on a live model.
+outputs the unsharded parameters view); under `CPUOffloadPolicy` the shards, their gradients and
+the optimizer state live in host memory and only the all-gather outputs and one group's copies stay
+on the device. `fsdp_held_bytes` counts those structures on a live model, `fsdp_host_tensors` the
+offloaded ones.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ class FsdpGroupSizes:
     world_size: ranks the parameters are sharded over.
     reshard_after_forward: whether the group frees its unsharded parameters after the forward
         (False for the root, which FSDP2 keeps gathered into the backward).
+    offload_to_cpu: `CPUOffloadPolicy`: the shards and their gradients live in host memory
+        (`FSDPParam.offload_to_cpu`), and so does the optimizer state of their parameters.
     """
 
     name: str
@@ -45,6 +50,17 @@ class FsdpGroupSizes:
     unsharded_element_bytes: int
     world_size: int
     reshard_after_forward: bool
+    offload_to_cpu: bool = False
+
+    @property
+    def shard_bytes(self) -> int:
+        """Bytes of the padded shards in the parameters' own dtype."""
+        return self.padded_shard_elements * self.orig_element_bytes
+
+    @property
+    def optimizer_state_bytes(self) -> int:
+        """AdamW's two moments (unpadded local shards) and step counters of the trainable parameters."""
+        return ADAM_MOMENTS * self.trainable_local_elements * self.orig_element_bytes + STEP_COUNTER_BYTES * self.trainable_params
 
     @property
     def all_gather_output_bytes(self) -> int:
@@ -65,7 +81,11 @@ class FsdpMemory:
         backward: groups that stay gathered (the root, `reshard_after_forward=False`) plus, of
         the resharding groups, the two largest neighbours (the backward prefetches the next
         group's all-gather while the current one runs). Freed after the backward.
-    step_transient_bytes: scratch of one (per-parameter) optimizer step: an estimate.
+    step_transient_bytes: scratch of one (per-parameter) optimizer step on the device: an estimate.
+    offload_copy_bytes: `CPUOffloadPolicy`: the device copy of the largest offloaded group's shards (the
+        all-gather input, copied from the host) and its reduce-scatter output before it goes to the host.
+    host_param_bytes, host_grad_bytes, host_optimizer_state_bytes: the same terms of the offloaded
+        groups, in host memory (the optimizer steps them there); the device terms hold the others.
     """
 
     sharded_param_bytes: int
@@ -74,11 +94,27 @@ class FsdpMemory:
     buffer_bytes: int
     unsharded_param_bytes: int
     step_transient_bytes: int
+    offload_copy_bytes: int = 0
+    host_param_bytes: int = 0
+    host_grad_bytes: int = 0
+    host_optimizer_state_bytes: int = 0
+
+    @property
+    def host_parts(self) -> tuple[tuple[str, int], ...]:
+        """(what, bytes) of every non-empty part held in host memory."""
+        parts = (("parameter shards", self.host_param_bytes), ("gradient shards", self.host_grad_bytes),
+                 ("optimizer state", self.host_optimizer_state_bytes))
+        return tuple((what, n) for what, n in parts if n)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(n for _, n in self.host_parts)
 
     @property
     def held_bytes(self) -> int:
-        """Bytes held between steps (after `optimizer.step()`, gradients not yet zeroed)."""
-        return self.sharded_param_bytes + self.sharded_grad_bytes + self.optimizer_state_bytes + self.buffer_bytes
+        """Bytes held between steps (after `optimizer.step()`, gradients not yet zeroed), device and host."""
+        device = self.sharded_param_bytes + self.sharded_grad_bytes + self.optimizer_state_bytes + self.buffer_bytes
+        return device + self.host_bytes
 
     def to_static_memory(self) -> StaticMemory:
         """As the planner's `StaticMemory`: the unsharded parameters count as resident (the memory
@@ -89,6 +125,9 @@ class FsdpMemory:
             grad_bytes=self.sharded_grad_bytes,
             optimizer_state_bytes=self.optimizer_state_bytes,
             optimizer_transient_bytes=self.step_transient_bytes,
+            comm_buffer_bytes=self.offload_copy_bytes,
+            grads_on_device=self.sharded_grad_bytes > 0 or not self.host_grad_bytes,
+            host_parts=self.host_parts,
         )
 
 
@@ -97,16 +136,19 @@ def fsdp_memory(groups: Sequence[FsdpGroupSizes], buffer_bytes: int = 0, largest
     gathered = [g.all_gather_output_bytes for g in groups if not g.reshard_after_forward]
     resharding = [g.all_gather_output_bytes for g in groups if g.reshard_after_forward]
     pairs = [a + b for a, b in itertools.pairwise(resharding)] or resharding
+    kept = [g for g in groups if not g.offload_to_cpu]
+    away = [g for g in groups if g.offload_to_cpu]
     return FsdpMemory(
-        sharded_param_bytes=sum(g.padded_shard_elements * g.orig_element_bytes for g in groups),
-        sharded_grad_bytes=sum(g.padded_shard_elements * g.orig_element_bytes for g in groups if g.trainable_params),
-        optimizer_state_bytes=sum(
-            ADAM_MOMENTS * g.trainable_local_elements * g.orig_element_bytes + STEP_COUNTER_BYTES * g.trainable_params
-            for g in groups
-        ),
+        sharded_param_bytes=sum(g.shard_bytes for g in kept),
+        sharded_grad_bytes=sum(g.shard_bytes for g in kept if g.trainable_params),
+        optimizer_state_bytes=sum(g.optimizer_state_bytes for g in kept),
         buffer_bytes=buffer_bytes,
         unsharded_param_bytes=sum(gathered) + max(pairs, default=0),
-        step_transient_bytes=2 * largest_param_bytes,
+        step_transient_bytes=2 * largest_param_bytes if kept else 0,  # offloaded: the optimizer steps on the host
+        offload_copy_bytes=max((g.shard_bytes for g in away), default=0),
+        host_param_bytes=sum(g.shard_bytes for g in away),
+        host_grad_bytes=sum(g.shard_bytes for g in away if g.trainable_params),
+        host_optimizer_state_bytes=sum(g.optimizer_state_bytes for g in away),
     )
 
 
@@ -149,6 +191,7 @@ def fsdp_groups(model: nn.Module) -> list[FsdpGroupSizes]:
                 unsharded_element_bytes=unsharded.itemsize,
                 world_size=group.mesh_info.shard_mesh_size,
                 reshard_after_forward=group.post_forward_mesh_info is not None,
+                offload_to_cpu=bool(getattr(params[0], "offload_to_cpu", False)),
             ))
     return out
 
@@ -169,6 +212,22 @@ def model_fsdp_memory(model: nn.Module) -> FsdpMemory | None:
 def fsdp_params(model: nn.Module) -> list:
     """Every `FSDPParam` of the model's FSDP2 groups."""
     return [p for _, state in fsdp_states(model) for group in _param_groups(state) for p in group.fsdp_params]
+
+
+def fsdp_host_tensors(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> list[torch.Tensor]:
+    """What `CPUOffloadPolicy` keeps in host memory: the offloaded groups' padded shards, their gradients
+    and the optimizer state of their parameters ([] without FSDP2 or offloading)."""
+    away = [p for p in fsdp_params(model) if getattr(p, "offload_to_cpu", False)]
+    if not away:
+        return []
+    sharded = [p.sharded_param for p in away]
+    found = [p._sharded_param_data for p in away] + [g for g in (s.grad for s in sharded) if g is not None]
+    ids = {id(s) for s in sharded}
+    for opt in optimizers:
+        for param, state in opt.state.items():
+            if id(param) in ids:
+                found += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return found
 
 
 def fsdp_held_bytes(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> int:

@@ -4,6 +4,7 @@ The kernel keeps the peak itself (VmHWM in /proc/self/status) and writing "5" to
 /proc/self/clear_refs resets it to the current RSS, so the peak of a step is exact, with no
 sampling. Where that file cannot be written, a thread samples /proc/self/statm every millisecond.
 The anonymous part (heap and mmapped tensors, without library code paged in) is given apart.
+`available_host_bytes` reads what the whole machine could still give (MemAvailable in /proc/meminfo).
 """
 
 from __future__ import annotations
@@ -23,6 +24,18 @@ def current_rss_bytes() -> int | None:
             return int(f.read().split()[1]) * PAGE_BYTES
     except (OSError, ValueError, IndexError):
         return None
+
+
+def available_host_bytes() -> int | None:
+    """Host memory available to new allocations without swapping (MemAvailable); None where unreadable."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _status_bytes(*keys: str) -> int | None:

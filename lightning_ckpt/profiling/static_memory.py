@@ -1,5 +1,8 @@
 """Memory that does not depend on the batch: parameters, buffers, gradients, optimizer state.
 
+`StaticMemory` is what stays on the training device; a strategy that offloads (ZeRO-Offload,
+FSDP2's `CPUOffloadPolicy`) says beside it what lives in host memory and on NVMe.
+
 Counted from the live objects where they exist; the optimizer's state is estimated
 from its type before its first step (Adam keeps two moments per parameter, SGD
 with momentum one buffer, ...), since most optimizers create it lazily. Every size is what
@@ -22,17 +25,37 @@ from lightning_ckpt.profiling.tracker import unique_storage_bytes
 
 @dataclass(frozen=True)
 class StaticMemory:
+    """Per-device bytes that do not depend on the batch (every `_bytes` field is device memory but
+    `host_parts` and `nvme_bytes`).
+
+    grads_on_device: False when the strategy moves each parameter gradient off the device as the
+        backward makes it (ZeRO-Offload, FSDP2's CPU offloading): the profile's parameter gradients
+        then do not build up on the device (`StepCost.grads_on_device`).
+    host_parts: (what, bytes) the strategy keeps in host memory for this rank (offloaded master
+        weights, gradients, optimizer state, parameter partitions, copy buffers); checked against
+        the host budget, not the device's.
+    nvme_bytes: what it swaps out to NVMe.
+    """
+
     param_bytes: int
     buffer_bytes: int
     grad_bytes: int  # gradients of trainable parameters, when all exist
     optimizer_state_bytes: int
     optimizer_transient_bytes: int  # scratch of one optimizer step
     comm_buffer_bytes: int = 0  # a strategy's communication buffers, e.g. DDP's gradient buckets (`ddp_memory`)
+    grads_on_device: bool = True
+    host_parts: tuple[tuple[str, int], ...] = ()
+    nvme_bytes: int = 0
 
     @property
     def resident_bytes(self) -> int:
         """What stays allocated all step (gradients come and go: modelled separately)."""
         return self.param_bytes + self.buffer_bytes + self.optimizer_state_bytes + self.comm_buffer_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes kept in host memory for this rank (0 without offloading)."""
+        return sum(n for _, n in self.host_parts)
 
 
 # optimizers whose state is sized from their type before it exists (`optimizer_state_bytes`)

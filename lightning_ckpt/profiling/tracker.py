@@ -130,7 +130,9 @@ class LiveBytesTracker(TorchDispatchMode):
     want the whole picture. `device` limits counting to one device type. A `ledger`
     (`lifetimes.StorageLedger`) is told of every storage made, read and freed. With
     `limit_bytes` set, the op whose new storage takes `live_bytes` over it raises
-    `LiveBytesOverLimit` (`profiling.profile_budget` stops a profiling pass so).
+    `LiveBytesOverLimit` (`profiling.profile_budget` stops a profiling pass so). Storages passed
+    to `ignore` are never counted (what an offloading strategy keeps in host memory, on a machine
+    whose device is the CPU too).
     """
 
     def __init__(self, device: str | None = None, ledger: Any = None) -> None:
@@ -151,6 +153,11 @@ class LiveBytesTracker(TorchDispatchMode):
         self.before_op: Any = None  # called before every op (a holder that is not the step's looks for deaths)
         self._live: dict[tuple[str, int], int] = {}
         self._finalizers: list[weakref.ref] = []
+        self._ignored: set[tuple[str, int]] = set()
+
+    def ignore(self, tensors: Iterable[Any]) -> None:
+        """Never count the storages of `tensors` (adopted or seen in an op)."""
+        self._ignored.update(k for t in tensors if isinstance(t, torch.Tensor) and (k := storage_key(t)) is not None)
 
     def adopt(self, tensors: Iterable[Any]) -> None:
         """Count storages that already exist (parameters, gradients, optimizer state).
@@ -200,7 +207,7 @@ class LiveBytesTracker(TorchDispatchMode):
             return
         if key is _UNKNOWN:
             key = storage_key(t)
-        if key is None or key in self._live:
+        if key is None or key in self._live or key in self._ignored:
             return
         st = (t if type(t) in _PLAIN else local_tensor(t)).untyped_storage()
         nbytes = int(st.nbytes())

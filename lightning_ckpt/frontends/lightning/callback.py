@@ -64,6 +64,9 @@ class ActivationCheckpointing(Callback):
             (``expandable_segments``); True: glibc malloc thresholds on CPU too (slower steps); False: never.
         keep_hf_checkpointing: leave a model's own (HF) gradient checkpointing in charge (no plan applied).
         allow_python_state: let blocks whose forward writes Python state be checkpointed (True, or their names).
+        host_memory_budget: per-rank host memory for what the strategy offloads (ZeRO-Offload, FSDP2's
+            `CPUOffloadPolicy`), bytes or e.g. ``"32GiB"``; checked before the first plan. None: 80% of the
+            host memory available at fit start, divided by the ranks on this machine.
     """
 
     POLICIES = POLICIES
@@ -91,10 +94,14 @@ class ActivationCheckpointing(Callback):
         tune_allocator: bool | None = None,
         keep_hf_checkpointing: bool = False,
         allow_python_state: bool | list[str] = False,
+        host_memory_budget: int | str | None = None,
     ) -> None:
         super().__init__()
         arguments.check_target(target_batch_size, batch_multiple)
         self.memory_budget = None if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
+        self.host_memory_budget = (
+            None if host_memory_budget is None else parse_bytes(host_memory_budget, "host_memory_budget")
+        )
         arguments.check_policy(policy, every_k, cost_metric, granularity, max_levels)
         self.blocks = arguments.check_blocks(blocks)
         arguments.check_name(batch_arg_name, "batch_arg_name", "the attribute that holds the loader's batch size.")
@@ -122,6 +129,7 @@ class ActivationCheckpointing(Callback):
         self.report_paths: list[Path] = []
         self._fit_memory = None
         self._budget_bytes: int | None = None
+        self._host_budget_bytes: int | None = None
         self._loaded: dict[str, Any] | None = None
         self._loaded_from: str | None = None  # the checkpoint `_loaded` came from (`Trainer.fit(ckpt_path=...)`)
         self._measuring = contextlib.ExitStack()  # holds the first steady step's `step_peak`
@@ -141,6 +149,7 @@ class ActivationCheckpointing(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._budget_bytes = arguments.resolve_budget(self.memory_budget, trainer.strategy.root_device)
+            self._host_budget_bytes = arguments.resolve_host_budget(self.host_memory_budget, trainer.num_devices)
             self._fit_memory = measured_peak.fit_memory(trainer, self.tune_allocator)
 
     @override
@@ -230,7 +239,7 @@ class ActivationCheckpointing(Callback):
         it plans as the first fit did, whatever the callback served before."""
         driver = LightningDriver(trainer)
         found = driver.chain(pl_module, self.blocks, batch)
-        settings = EngineSettings(self._budget_bytes, **self._settings)
+        settings = EngineSettings(self._budget_bytes, **self._settings, host_budget_bytes=self._host_budget_bytes)
         if isinstance(found, tuple):  # a new engine: nothing of an earlier fit's model, trainer or shapes
             names, blocks = found
             self.engine = CheckpointEngine(settings, driver)

@@ -1,8 +1,10 @@
 """`DeepSpeedStrategy`: Lightning's DeepSpeed strategy, also on CPU, that informs the planner.
 
 On CUDA it is Lightning's, unchanged; on the CPU accelerator (`DS_ACCELERATOR=cpu`, gloo) it skips Lightning's
-three CUDA-only steps. It gives `ActivationCheckpointing` the per-rank static memory of the ZeRO stage and a
-profiling context that pauses DeepSpeed's gradient hooks and keeps ZeRO-3's parameter gathers out of the profile.
+three CUDA-only steps. It gives `ActivationCheckpointing` the per-rank static memory of the ZeRO stage (under
+ZeRO-Offload: what stays on the device, and what lives in host memory and on NVMe), the tensors it keeps in
+host memory (left out of a measured device peak), and a profiling context that pauses DeepSpeed's gradient
+hooks and keeps ZeRO-3's parameter gathers out of the profile.
 The only module of lightning-ckpt importing `deepspeed`.
 """
 
@@ -12,6 +14,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import (
@@ -23,7 +26,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_ckpt.profiling.static_memory import StaticMemory
-from lightning_ckpt.profiling.zero_memory import PRECISIONS, ZeroMemory, zero_memory
+from lightning_ckpt.profiling.zero_memory import PRECISIONS, ZeroMemory, ZeroOffload, zero_memory
 
 __all__ = ["DeepSpeedStrategy"]
 
@@ -32,6 +35,8 @@ __all__ = ["DeepSpeedStrategy"]
 DEEPSPEED_PERSISTENCE_DEFAULT = 100_000
 DEEPSPEED_REDUCE_BUCKET_DEFAULT = 500_000_000  # DeepSpeed's default `reduce_bucket_size` (elements)
 DEEPSPEED_MAX_LIVE_DEFAULT = 1_000_000_000  # DeepSpeed's default `stage3_max_live_parameters` (elements)
+DEEPSPEED_PREFETCH_DEFAULT = 50_000_000  # DeepSpeed's default `stage3_prefetch_bucket_size` (elements)
+DEEPSPEED_REUSE_DEFAULT = 1_000_000_000  # DeepSpeed's default `stage3_max_reuse_distance` (elements)
 
 
 def _import_deepspeed():
@@ -160,11 +165,6 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
                 "lightning-ckpt's ZeRO memory model assumes gradients accumulate in the parameters' dtype; the "
                 "config's data_types.grad_accum_dtype differs, so the static memory in the plan is approximate."
             )
-        if zero.get("offload_optimizer") or zero.get("offload_param"):
-            rank_zero_warn(
-                "lightning-ckpt's ZeRO memory model does not model offloading; offloaded optimizer state and "
-                "parameters are counted as if they stayed on the device (the plan is conservative)."
-            )
         stage = self.zero_stage
         return zero_memory(
             _param_sizes(pl_module),
@@ -177,12 +177,40 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
             overlap_comm=bool(zero.get("overlap_comm", stage == 3)),
             max_live_parameters=_number(zero, "stage3_max_live_parameters", DEEPSPEED_MAX_LIVE_DEFAULT),
             buffer_bytes=sum(b.numel() * b.element_size() for b in pl_module.buffers()),
+            offload=_offload(zero),
+            accumulation_steps=_number(config, "gradient_accumulation_steps", 1),
+            largest_module_elements=_largest_module(pl_module),
+            prefetch_bucket_size=_number(zero, "stage3_prefetch_bucket_size", DEEPSPEED_PREFETCH_DEFAULT),
+            max_reuse_distance=_number(zero, "stage3_max_reuse_distance", DEEPSPEED_REUSE_DEFAULT),
         )
 
     def ckpt_static_memory(self, pl_module: nn.Module, optimizers: Any = ()) -> StaticMemory:
         """Per-rank static memory for `ActivationCheckpointing`: the ZeRO model, not what this
         process happens to hold (under ZeRO-3 the parameters are partitioned and empty here)."""
         return self.zero_memory(pl_module).to_static_memory()
+
+    def ckpt_host_tensors(self) -> list[torch.Tensor]:
+        """The tensors ZeRO-Offload keeps in host memory (none without offloading): a device peak
+        measured on a CPU-only machine leaves them out, as the device does on CUDA. Read off
+        DeepSpeed's optimizer: the fp32 partitions and their gradients, the moments, the copy
+        buffers and, under ``offload_param``, the parameter partitions."""
+        zero = (self.config or {}).get("zero_optimization") or {}
+        offload = _offload(zero)
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is None or not (offload.optimizer or offload.params):
+            return []
+        found: list[torch.Tensor] = []
+        names = _HOST_OPTIMIZER if offload.optimizer else ()
+        names += _HOST_PARAMS if offload.params else ()
+        for name in names:
+            _tensors_in(getattr(optimizer, name, None), found)
+        found += [t.grad for t in found if t.grad is not None]
+        if offload.optimizer:
+            for state in getattr(optimizer, "state", {}).values():
+                found += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        if offload.params:
+            found += [p.ds_tensor for p in self.lightning_module.parameters() if getattr(p, "ds_tensor", None) is not None]
+        return found
 
     @contextlib.contextmanager
     def ckpt_profiling_context(self) -> Iterator[None]:
@@ -256,6 +284,56 @@ def _param_coordinator(engine: Any) -> Any:
     holder = getattr(holder, "parameter_offload", holder)
     get = getattr(holder, "get_param_coordinator", None)
     return get() if callable(get) else None
+
+
+# DeepSpeed optimizer attributes holding host tensors under `offload_optimizer` (stage_1_and_2.py: the fp32
+# partition, the low-precision copy of it, the gradient buffer and the accumulated gradients; stage3.py: the
+# fp32 partitions and the low-precision gradient partition) and under `offload_param` (its flat partitions).
+_HOST_OPTIMIZER = (
+    "single_partition_of_fp32_groups", "param_buffer_of_bit16_for_cpu_offload_groups",
+    "temp_grad_buffer_for_cpu_offload", "accumulated_grads_in_cpu", "fp32_partitioned_groups_flat",
+    "grad_partitions_flat_buffer",
+)
+_HOST_PARAMS = ("param_groups_fp16_flat_cpu_memory",)
+
+
+def _tensors_in(value: Any, out: list[torch.Tensor]) -> None:
+    """Append the tensors in `value`, through lists, tuples and dicts."""
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _tensors_in(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _tensors_in(v, out)
+
+
+def _offload(zero: dict) -> ZeroOffload:
+    """ZeRO-Offload as the config's ``offload_optimizer`` and ``offload_param`` sections set it
+    (DeepSpeed's defaults for what they leave out)."""
+    opt = zero.get("offload_optimizer") or {}
+    par = zero.get("offload_param") or {}
+    opt = opt if isinstance(opt, dict) else {"device": "cpu"}  # `offload_optimizer: true`
+    par = par if isinstance(par, dict) else {"device": "cpu"}
+    default = ZeroOffload()
+    return ZeroOffload(
+        optimizer_device=str(opt.get("device") or "none"),
+        param_device=str(par.get("device") or "none"),
+        optimizer_buffer_count=_number(opt, "buffer_count", default.optimizer_buffer_count),
+        param_buffer_count=_number(par, "buffer_count", default.param_buffer_count),
+        param_buffer_elements=_number(par, "buffer_size", default.param_buffer_elements),
+        param_max_in_cpu_elements=_number(par, "max_in_cpu", default.param_max_in_cpu_elements),
+        sub_group_elements=_number(zero, "sub_group_size", default.sub_group_elements),
+    )
+
+
+def _largest_module(module: nn.Module) -> int:
+    """The most parameter elements one module owns directly (what ZeRO-3 fetches before it runs)."""
+    return max(
+        (sum(int(getattr(p, "ds_numel", p.numel())) for p in m.parameters(recurse=False)) for m in module.modules()),
+        default=0,
+    )
 
 
 def _param_sizes(module: nn.Module) -> list[tuple[int, bool]]:

@@ -22,6 +22,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_ckpt.engine.measured_steps import MeasuredStep
 from lightning_ckpt.frontends.lightning.loggers import log_metrics
+from lightning_ckpt.frontends.lightning.strategy_hooks import strategy_host_tensors
 from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.units import format_bytes
 from lightning_ckpt.profiling.allocator import AllocatorSetting, follow_tensors
@@ -99,7 +100,8 @@ def step_peak(
     tracker: type[LiveBytesTracker] = LiveBytesTracker,
 ) -> Iterator[PeakReading]:
     """Measure the peak bytes of what runs inside: parameters, buffers, gradients, optimizer
-    state, the batch and everything the step allocates; on CPU also the process's RSS above
+    state, the batch and everything the step allocates, less what the strategy keeps in host memory
+    (`strategy_hooks.strategy_host_tensors`); on CPU also the process's RSS above
     `fit.rss_start_bytes` (without `fit`, above its value on entry). On CPU `tracker` counts the
     tensors (the callback's own measurement passes the cheaper `StepBytesTracker`)."""
     reading = PeakReading()
@@ -118,6 +120,7 @@ def step_peak(
     rss_start = current_rss_bytes() if fit is None else fit.rss_start_bytes
     anon_start = current_anon_bytes() if fit is None else fit.anon_start_bytes
     with RssPeak() as rss, tracker() as tracked:
+        tracked.ignore(strategy_host_tensors(trainer, pl_module))  # offloaded: in host memory, not the device's
         tracked.adopt(state_tensors(pl_module, None) + optimizer_state + list(tensors_in(batch)))
         tracked.reset_peak()
         yield reading

@@ -219,7 +219,7 @@ def _memory_problems(
     this run's static memory (and gradient accumulation) within the budget."""
     now = dataclasses.replace(
         cost, static_bytes=static.resident_bytes, optimizer_transient_bytes=static.optimizer_transient_bytes,
-        grads_accumulate=grads_accumulate,
+        grads_accumulate=grads_accumulate, grads_on_device=static.grads_on_device,
     )
     try:
         own = predict_peak(cost, plan.segments, plan.keep_ops, plan.inner_segments).peak_bytes

@@ -1,7 +1,8 @@
 """What the training strategy tells the callback: per-device static memory and a profiling context.
 
-A strategy may define `ckpt_static_memory(pl_module, optimizers)` (ZeRO shards the model state) and
-`ckpt_profiling_context()` (DeepSpeed pauses its gradient hooks); else FSDP2's model for `fully_shard`-ed
+A strategy may define `ckpt_static_memory(pl_module, optimizers)` (ZeRO shards the model state),
+`ckpt_host_tensors()` (what ZeRO-Offload keeps in host memory) and `ckpt_profiling_context()` (DeepSpeed
+pauses its gradient hooks); else FSDP2's model for `fully_shard`-ed
 modules or what this process holds, plus DDP's gradient buckets when DDP wraps the model (`ddp_memory`),
 and under DDP profiling inside `no_sync`.
 """
@@ -13,7 +14,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from lightning_ckpt.profiling.ddp_memory import ddp_comm_buffer_bytes
-from lightning_ckpt.profiling.fsdp_memory import model_fsdp_memory
+from lightning_ckpt.profiling.fsdp_memory import fsdp_host_tensors, model_fsdp_memory
 from lightning_ckpt.profiling.static_memory import StaticMemory, static_memory
 
 if TYPE_CHECKING:  # only for the annotations: importing Lightning costs seconds
@@ -32,6 +33,15 @@ def strategy_static_memory(trainer: pl.Trainer, pl_module: pl.LightningModule) -
     static = static_memory(pl_module, trainer.optimizers)
     buckets = ddp_comm_buffer_bytes(getattr(trainer, "model", None))
     return dataclasses.replace(static, comm_buffer_bytes=buckets) if buckets else static
+
+
+def strategy_host_tensors(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[Any]:
+    """The tensors the strategy keeps in host memory, not on the device (ZeRO-Offload; FSDP2's
+    `CPUOffloadPolicy`): a device peak measured where the device is the CPU leaves them out."""
+    own = getattr(trainer.strategy, "ckpt_host_tensors", None)
+    if callable(own):
+        return list(own())
+    return fsdp_host_tensors(pl_module, trainer.optimizers)
 
 
 def profiling_context(trainer: pl.Trainer) -> contextlib.AbstractContextManager[Any]:
