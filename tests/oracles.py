@@ -101,13 +101,18 @@ def walk_peak(cost: StepCost, segments: Segments) -> PeakBreakdown:
     # when accumulating: then no block adds its own)
     grads_after = head_grads
     own_grads = 0 if cost.grads_accumulate else 1
+
+    def scratch_of(blk) -> int:  # into kept gradients autograd frees each new one once it is added
+        kept = blk.kept_grads_bwd_transient_bytes
+        return kept if cost.grads_accumulate and kept is not None else blk.bwd_transient_bytes
+
     bwd, bwd_at = 0, -1
     i = n - 1
     while i >= 0:
         j = owner[i]
         if j < 0:
             blk = blocks[i]
-            live = prefix[i] + blk.saved_bytes + shift[i] + blk.output_bytes + blk.bwd_transient_bytes
+            live = prefix[i] + blk.saved_bytes + shift[i] + blk.output_bytes + scratch_of(blk)
             live += blk.carried_bwd_bytes
             if live + grads_after > bwd:
                 bwd, bwd_at = live + grads_after, i
@@ -121,7 +126,7 @@ def walk_peak(cost: StepCost, segments: Segments) -> PeakBreakdown:
         scratch = max(blocks[k].fwd_transient_bytes for k in range(a, b + 1))
         for k in range(b, a - 1, -1):
             blk = blocks[k]
-            extra = max(blk.bwd_transient_bytes, scratch) if k == b else blk.bwd_transient_bytes
+            extra = max(scratch_of(blk), scratch) if k == b else scratch_of(blk)
             live = base + rebuilt + blk.output_bytes + extra + blk.carried_bwd_bytes
             if live + grads_after > bwd:
                 bwd, bwd_at = live + grads_after, k

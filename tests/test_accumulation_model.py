@@ -4,12 +4,14 @@ A micro-batch after the first of an accumulation window (Lightning's
 `accumulate_grad_batches` > 1, or a loop calling backward several times per optimizer step)
 starts its backward with every parameter gradient allocated, so block i's backward runs
 beside the gradients of blocks <= i too, and the head's beside all of them. Autograd adds
-each new gradient into the existing one in place: the new one lives only until then, as
-scratch of the backward that makes it, which the profile (taken with no gradients
-allocated, so every gradient is new there and stays) already counts in the block's
-`bwd_transient_bytes`. Checked here by hand, against the same model with every gradient
-moved outside the blocks, and against peaks measured by the live-storage tracker over
-accumulation windows of AdamW steps.
+each new gradient into the existing one in place (torch 2.13's `AccumulateGrad`, with grad
+mode off): the new one lives only until then, as scratch of the backward that makes it. The
+profile runs with no gradient allocated, so each new one stays there (`bwd_transient_bytes`);
+cut at every gradient made and written (`profiling.backward_phases`), it also gives the peak
+with only the gradients in flight (`kept_grads_bwd_transient_bytes`), which an accumulating
+backward takes. Checked here by hand, against the same model with every gradient moved outside
+the blocks, and against peaks measured by the live-storage tracker over accumulation windows
+of AdamW steps.
 """
 
 from __future__ import annotations
@@ -74,6 +76,24 @@ def test_gradients_of_blocks_up_to_each_backward_are_added_by_hand():
     assert kept_element(loud, 0, step_terms(loud)).forward_bytes == kept_element(plain, 0, tp).forward_bytes
     # the optimizer step sees all gradients either way
     assert predict_peak(accumulating, []).optimizer_bytes == predict_peak(plain, []).optimizer_bytes
+
+
+def test_an_accumulating_backward_takes_the_peak_into_kept_gradients():
+    """Each block's backward into kept gradients holds only the gradients in flight: 1 byte of scratch, not the
+    3 it needs with `.grad` unset; a block not measured so (None) keeps the unset peak, an upper bound."""
+    unmeasured = _three_blocks()
+    measured = dataclasses.replace(
+        unmeasured, blocks=tuple(dataclasses.replace(b, kept_grads_bwd_transient_bytes=1) for b in unmeasured.blocks)
+    )
+
+    def rise(cost: StepCost, p: int) -> int:  # block p's backward, accumulating less plain
+        accumulating = dataclasses.replace(cost, grads_accumulate=True)
+        return (kept_element(accumulating, p, step_terms(accumulating)).backward_bytes
+                - kept_element(cost, p, step_terms(cost)).backward_bytes)
+
+    for p, own_and_before in enumerate((1, 11, 111)):
+        assert rise(measured, p) == own_and_before - 2 and rise(unmeasured, p) == own_and_before
+    assert predict_peak(measured, []) == predict_peak(unmeasured, [])  # the plain step takes the unset peak
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -260,7 +280,8 @@ def test_an_accumulating_backward_holds_one_op_s_new_gradients_at_a_time_and_the
     the block uses twice, its two parts and their sum (the engine adds them before the weight's
     gradient is accumulated). The profile's backward runs with every `.grad` unset, so each new gradient
     stays from its op on: its peak above the backward's start (`bwd_transient_bytes`) is never below
-    the accumulating backward's, which is why the memory model needs no term for it."""
+    the accumulating backward's: the memory model takes the accumulating one, measured from the same profile
+    (`kept_grads_bwd_transient_bytes`)."""
     torch.manual_seed(0)
     first = nn.Linear(256, 256)
     block = nn.Sequential(first, nn.GELU(), first if shared else nn.Linear(256, 256), nn.Linear(256, 256))

@@ -94,7 +94,8 @@ def test_plain_loop_is_bit_identical_within_the_budget_and_leaves_no_hook():
 
 
 def test_the_plan_is_the_callbacks():
-    """The same model, batch, optimizer and budget: the callback and auto_checkpoint plan alike."""
+    """The same model, batch, optimizer and budget, and a loop whose last gradients are alive at the forward
+    as Lightning's are (it zeroes them after the forward): the callback and auto_checkpoint plan alike."""
     from lit_models import LitChain, make_trainer
 
     from lightning_ckpt import ActivationCheckpointing
@@ -109,6 +110,7 @@ def test_the_plan_is_the_callbacks():
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*batch), batch_size=BATCH)
     make_trainer([cb], max_steps=1).fit(copy.deepcopy(lit), train_dataloaders=loader)
     opt = torch.optim.AdamW(lit.parameters(), lr=0.05)
+    lit.training_step(batch, 0).backward()  # last step's gradients, alive at the next forward
     with auto_checkpoint(
         lit, budget, example_batch=batch, step_fn=lambda b: lit.training_step(b, 0), optimizer=opt,
         blocks="net.blocks", cost_metric="flops", verbose=False,
@@ -125,6 +127,7 @@ def test_variable_lengths_are_planned_each_within_the_budget():
     model = _model()
     budget = _budget(_model(), batches[3])  # half way at the longest: the shorter ones fit with less
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    _loss(model)(batches[0]).backward()  # gradients alive at each forward from the first (`measure_step_peak`'s order)
     handle = auto_checkpoint(
         model, budget, example_batch=batches[0], step_fn=_loss(model), optimizer=opt, blocks="blocks",
         cost_metric="flops", verbose=False,
@@ -254,7 +257,8 @@ def test_the_low_level_path_without_static_memory_is_said():
     profile = profile_model(model, blocks, _loss(model), batch, names=names, timing=False)
     with pytest.warns(PartialStepWarning, match=r"static_bytes=0 but trainable parameters.*lightning_ckpt\.step_cost"):
         make_plan(profile.at(BATCH), "optimal", 10**9)
-    whole = step_cost(profile, BATCH, static_memory(model, [opt]))
+    whole = step_cost(profile, BATCH, static_memory(model, [opt]))  # last step's gradients alive in the forward
+    _loss(model)(batch).backward()  # as they are for auto_checkpoint's first plan
     with warnings.catch_warnings():
         warnings.simplefilter("error", PartialStepWarning)
         plan = make_plan(whole, "optimal", _budget(_model(), batch), metric="flops")
@@ -270,6 +274,7 @@ def test_a_step_measured_over_the_budget_is_planned_again_with_the_excess_in_res
     model = _model()
     budget = _budget(model, batches[0])
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    measure_step_peak(model, _loss(model), batches[0], opt)  # AdamW's state and last step's gradients exist from here on
     handle = auto_checkpoint(model, budget, example_batch=batches[0], step_fn=_loss(model), optimizer=opt,
                              blocks="blocks", cost_metric="flops", verbose=False)
     kept: list[torch.Tensor] = []
@@ -281,7 +286,6 @@ def test_a_step_measured_over_the_budget_is_planned_again_with_the_excess_in_res
         kept[:] = [torch.zeros(unseen // 4)]
         return _loss(model)(batch)
 
-    measure_step_peak(model, _loss(model), batches[0], opt)  # AdamW's state exists from here on
     peaks = []
     for first in (True, False):
         handle.step(batches[0])

@@ -65,7 +65,8 @@ def rich_cost(rng: random.Random, n: int, huge: bool = True) -> StepCost:
                 output_saved_bytes=rng.choice((0, out, rng.randint(0, out))),
                 fwd_transient_bytes=rng.choice((0, rng.randint(0, 80))),
                 ckpt_fwd_peak_bytes=rng.choice((None, rng.randint(0, 120))),
-                bwd_transient_bytes=rng.choice((0, rng.randint(0, 80))),
+                bwd_transient_bytes=(bwd := rng.choice((0, rng.randint(0, 80)))),
+                kept_grads_bwd_transient_bytes=bwd // 2 if i % 2 else None,  # (no draw: the streams stay as they were)
                 grad_bytes=rng.choice((0, rng.randint(0, 20), rng.randint(0, 400))),
                 fwd_flops=flops,
                 tail_flops=rng.choice((0, rng.randint(0, flops))) if flops else 0,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_ckpt.costs.block_costs import BlockCost, OpCost, StepCost
+from lightning_ckpt.costs.block_costs import BlockCost, OpCost, StepCost, backward_phase_peaks
 from lightning_ckpt.costs.linear_fit import Profile
 
 
@@ -189,3 +189,43 @@ def test_a_combination_of_costs_keeps_every_write_any_of_them_saw():
 
     mixed = combine_costs([cost((), 8), cost(("adds items of self.aux (0 -> 1)",), 16)], [0.5, 0.5]).blocks[0]
     assert mixed.unreplayable == ("adds items of self.aux (0 -> 1)",) and mixed.written_state_bytes == 16
+
+
+def _backward(batch: int, phases) -> StepCost:
+    """A block whose backward has `phases` (rest per sample, gradients made, in flight) at `batch`."""
+    stretches = tuple((rest * batch, made, flight) for rest, made, flight in phases)
+    unset, kept = backward_phase_peaks(stretches)
+    block = BlockCost("b0", saved_bytes=100 * batch, input_bytes=10 * batch, bwd_transient_bytes=unset,
+                      kept_grads_bwd_transient_bytes=kept, bwd_phase_bytes=stretches)
+    return StepCost(blocks=(block,), batch_size=batch)
+
+
+# activation gradients of 100 bytes a sample; a weight's gradient (1000 bytes) made beside 10 bytes a sample,
+# then written, beside 20 bytes a sample
+PHASES = ((100, 0, 0), (10, 1000, 1000), (20, 1000, 0))
+
+
+def test_each_stretch_of_the_backward_follows_its_own_line():
+    """At one and two samples the peak is the weight's gradient's (1020 and 1040 bytes; 1010 and 1020 into kept
+    gradients); at sixteen the activations' alone (1600), which the lines through the two peaks miss (1320, 1160)."""
+    profile = Profile((_backward(1, PHASES), _backward(2, PHASES)))
+    block = profile.at(16).blocks[0]
+    assert (block.bwd_transient_bytes, block.kept_grads_bwd_transient_bytes) == (1600, 1600)
+    assert block.bwd_phase_bytes == ()
+    one = profile.at(1).blocks[0]
+    assert (one.bwd_transient_bytes, one.kept_grads_bwd_transient_bytes) == (1020, 1010)
+    assert StepCost.from_dict(profile.probes[0].to_dict()) == profile.probes[0]  # the stretches through JSON
+
+
+def test_stretches_the_probes_cut_differently_fall_back_to_the_lines_of_the_peaks():
+    other = ((100, 0, 0), (20, 1000, 0))  # one sample wrote the gradient as it was made
+    profile = Profile((_backward(1, other), _backward(2, PHASES)))
+    block = profile.at(16).blocks[0]
+    low, high = profile.probes[0].blocks[0], profile.probes[1].blocks[0]
+    assert block.bwd_transient_bytes == low.bwd_transient_bytes + 15 * (high.bwd_transient_bytes - low.bwd_transient_bytes)
+    assert block.kept_grads_bwd_transient_bytes <= block.bwd_transient_bytes
+
+
+def test_a_backward_into_kept_gradients_never_holds_more_than_one_whose_gradients_stay():
+    with pytest.raises(ValueError, match=r"kept_grads_bwd_transient_bytes=5 exceeds bwd_transient_bytes=4"):
+        BlockCost("b", saved_bytes=1, input_bytes=1, bwd_transient_bytes=4, kept_grads_bwd_transient_bytes=5)

@@ -1,6 +1,7 @@
 """A measured step judged against the budget (`engine.measured_steps`, through `CheckpointEngine.measured`):
 within it nothing changes; over it the excess over the prediction is held in reserve for the shape, which is
-planned again at once from its profile; when no plan fits with that reserve the run goes on with its plan."""
+planned again at once from its profile; when no plan fits with that reserve the run goes on with its plan.
+Each plan made for a shape waits for a step measured under it (`CheckpointEngine.plan_measured`)."""
 
 from __future__ import annotations
 
@@ -86,3 +87,23 @@ def test_over_the_budget_with_nothing_unseen_or_too_often_is_not_planned_again()
     last = reserves.judge(shape, plan.predicted_peak_bytes + 99, plan, budget, "t")
     assert not last.replan and f"re-planned {MAX_REPLANS} times already" in last.message()
     assert isinstance(last, MeasuredStep) and reserves.held(shape) == 10 + MAX_REPLANS - 1
+
+
+def test_every_plan_made_for_a_shape_waits_for_a_step_measured_under_it(planned):
+    """A shape's first plan, and each plan made for it again (the gradients a step holds changed, a reserve),
+    has no step judged until one is measured under it; the same plan met again keeps its judged step."""
+    engine, driver, full = planned
+    budget = engine.settings.budget_bytes
+    assert not engine.plan_measured
+    engine.measured(engine.plan.predicted_peak_bytes, "tracked tensors")
+    assert engine.plan_measured and engine.step(BATCH) is None and engine.plan_measured
+    driver.grads_accumulate = True  # planned again for the gradients of earlier micro-batches
+    assert engine.step(BATCH).new and not engine.plan_measured
+    engine.measured(engine.plan.predicted_peak_bytes, "tracked tensors")
+    assert engine.plan_measured
+    before = engine.plan
+    unseen = budget - before.predicted_peak_bytes + (before.predicted_peak_bytes - full) // 2
+    verdict = engine.measured(before.predicted_peak_bytes + unseen, "tracked tensors")  # over: planned again
+    assert verdict.replanned is engine.plan is not before and not engine.plan_measured
+    assert not engine.measured(engine.plan.predicted_peak_bytes + unseen, "tracked tensors").over
+    assert engine.plan_measured

@@ -43,7 +43,8 @@ def deep_cost(rng: random.Random, n: int, scale: int = 1, accumulate: bool = Fal
                 output_bytes=scale * out,
                 output_saved_bytes=scale * rng.choice((0, out)),
                 fwd_transient_bytes=scale * rng.randint(0, 10),
-                bwd_transient_bytes=scale * rng.randint(0, 10),
+                bwd_transient_bytes=(bwd := scale * rng.randint(0, 10)),
+                kept_grads_bwd_transient_bytes=bwd // 2 if i % 2 else None,  # (no draw: the streams stay as they were)
                 grad_bytes=scale * rng.randint(0, 3),
                 fwd_flops=rng.randint(1, 50),
                 tail_flops=0,

@@ -127,13 +127,15 @@ def test_a_block_writing_python_state_is_kept_and_training_is_bit_identical(kind
     handle.remove()
 
 
-def _full_peak_without_the_hazard(kind: str) -> int:
+def _full_peak_without_the_hazard(kind: str, accumulate: bool = False) -> int:
     """The `full` plan's peak of a wide model, had its block no Python state: a budget that only fits
-    by checkpointing that block (keeping it holds what it saves through the next block's backward)."""
+    by checkpointing that block (keeping it holds what it saves through the next block's backward). Planned
+    with last step's gradients alive in the forward (`cost_at`): `auto_checkpoint` reads them so from a model
+    that has gradients (`_with_gradients`); with `accumulate`, alive through the whole step."""
     model = Net(kind, hidden=32 * D, stateful_hidden=32 * D)
     batch = _batches(1)[0]
     profile = profile_model(model, list(model.blocks), _step_fn(model), batch, timing=False)
-    cost = cost_at(profile, BATCH, static_memory(model, []))
+    cost = dataclasses.replace(cost_at(profile, BATCH, static_memory(model, [])), grads_accumulate=accumulate)
     assert cost.blocks[STATEFUL].unreplayable == (REASONS[kind],)
     plain = dataclasses.replace(cost, blocks=tuple(dataclasses.replace(b, unreplayable=()) for b in cost.blocks))
     budget = make_plan(plain, "full").predicted_peak_bytes
@@ -141,10 +143,18 @@ def _full_peak_without_the_hazard(kind: str) -> int:
     return budget
 
 
+def _with_gradients(model: Net) -> Net:
+    """`model` with the gradients of a step, as a loop that zeroes them after the forward has them at the next
+    (a step of two samples: no block writes its Python state at that size)."""
+    x, y = _batches(1)[0]
+    _step_fn(model)((x[:2], y[:2])).backward()
+    return model
+
+
 @pytest.mark.parametrize("kind", ["branch", "moe"])
 def test_a_budget_that_needs_the_block_checkpointed_fails_before_the_first_step(kind):
     budget = _full_peak_without_the_hazard(kind)
-    model = Net(kind, hidden=32 * D, stateful_hidden=32 * D)
+    model = _with_gradients(Net(kind, hidden=32 * D, stateful_hidden=32 * D))
     attribute = {"branch": r"writes self\.calls", "moe": r"adds items of self\.aux_losses"}[kind]
     with pytest.raises(InfeasibleBudgetError, match=rf"block 2 'blocks\.2' \({attribute}.*allow_python_state=True"):
         auto_checkpoint(
@@ -358,12 +368,14 @@ def test_a_write_only_the_larger_probe_sees_keeps_the_block():
 
 
 def test_the_refusal_names_a_write_only_the_larger_probe_sees():
-    """A budget that the kept block makes too small for the batch: the error names the write the check slice saw."""
+    """A budget that the kept block makes too small for the batch: the error names the write the check slice saw.
+    The step accumulates (every gradient alive through it, none yet while profiling, so the check slice has room)."""
     model = Net("branch", hidden=32 * D, stateful_hidden=32 * D)
     model.blocks[STATEFUL] = WritesAtLargerBatches(32 * D)
     with pytest.raises(InfeasibleBudgetError, match=r"block 2 'blocks\.2' \(writes self\.large_batches \(0 -> 1\)\).*"
                        r"allow_python_state=True"):
         auto_checkpoint(
-            model, _full_peak_without_the_hazard("branch"), example_batch=_batches(1)[0], step_fn=_step_fn(model),
-            blocks="blocks", cost_metric="flops", verbose=False, probe_batch_sizes=(1, 2), check_batch_size=4,
+            model, _full_peak_without_the_hazard("branch", accumulate=True), example_batch=_batches(1)[0],
+            step_fn=_step_fn(model), blocks="blocks", cost_metric="flops", verbose=False, probe_batch_sizes=(1, 2),
+            check_batch_size=4, accumulate_grad_batches=2,
         )

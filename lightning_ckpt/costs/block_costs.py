@@ -84,7 +84,19 @@ class BlockCost:
         live only until the next op consumes them, plus the output. None when not
         measured; the model then uses `saved + output + scratch - input saved`.
     bwd_transient_bytes: peak extra bytes during the block's backward beyond what
-        was live when it started (gradient scratch, its parameter gradients).
+        was live when it started (gradient scratch, its parameter gradients), with every
+        `.grad` unset as profiled: each parameter gradient it makes stays from then on.
+    kept_grads_bwd_transient_bytes: the same peak when the parameters' gradients exist already
+        (gradient accumulation, a loop that zeroes them with `set_to_none=False`): autograd adds each
+        new gradient into its `.grad` in place and frees it, so only the gradients made and not yet
+        added count (`backward_phase_peaks`). None when not measured: `bwd_transient_bytes`, which is
+        never less, stands in for it.
+    bwd_phase_bytes: the block's backward cut at every birth and every write of a parameter
+        gradient, as measured in one probe: per stretch (the peak of all but those gradients above
+        the backward's start, which may be negative; the gradients made so far in the backward; the
+        gradients made and not yet written into `.grad`, less those made earlier and written here).
+        The first part grows with the batch, the others do not, so each stretch is a line of its own
+        (`linear_fit`): which stretch peaks moves as the batch grows. Empty in a fitted cost.
     grad_bytes: bytes of the gradients of the block's trainable parameters.
     fwd_flops: forward FLOPs (what one recompute costs).
     tail_flops: FLOPs of the ops after the block's last saved tensor. When the block
@@ -172,10 +184,14 @@ class BlockCost:
     gap_grad_bytes: int = 0
     unreplayable: tuple[str, ...] = ()
     written_state_bytes: int = 0
+    kept_grads_bwd_transient_bytes: int | None = None
+    bwd_phase_bytes: tuple[tuple[int, int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.unreplayable, tuple):  # a list once it went through JSON
             object.__setattr__(self, "unreplayable", tuple(self.unreplayable))
+        if not isinstance(self.bwd_phase_bytes, tuple) or any(not isinstance(p, tuple) for p in self.bwd_phase_bytes):
+            object.__setattr__(self, "bwd_phase_bytes", tuple(tuple(int(v) for v in p) for p in self.bwd_phase_bytes))
         for name in _NONNEGATIVE:
             value = getattr(self, name)
             if value is not None and value < 0:
@@ -183,6 +199,13 @@ class BlockCost:
                     f"BlockCost {self.name!r}: {name}={value} is negative; costs are sizes and times, "
                     "so they must be >= 0. Check the profile that produced it."
                 )
+        kept = self.kept_grads_bwd_transient_bytes
+        if kept is not None and kept > self.bwd_transient_bytes:
+            raise ValueError(
+                f"BlockCost {self.name!r}: kept_grads_bwd_transient_bytes={kept} exceeds bwd_transient_bytes="
+                f"{self.bwd_transient_bytes}; a backward into existing gradients frees each new one once it is "
+                "added, so it never holds more than one whose gradients stay. Check the profile that produced it."
+            )
         if self.input_saved_bytes > self.input_bytes:
             raise ValueError(
                 f"BlockCost {self.name!r}: input_saved_bytes={self.input_saved_bytes} exceeds "
@@ -208,8 +231,20 @@ class BlockCost:
 
 # the sizes and times a BlockCost checks for >= 0, in field order (the first negative one is named)
 _NONNEGATIVE = tuple(
-    f.name for f in dataclasses.fields(BlockCost) if f.name not in _SIGNED and f.name.endswith(("_bytes", "_flops", "_ms"))
+    f.name for f in dataclasses.fields(BlockCost)
+    if f.name not in (*_SIGNED, "bwd_phase_bytes") and f.name.endswith(("_bytes", "_flops", "_ms"))
 )
+
+
+def backward_phase_peaks(phases) -> tuple[int, int]:
+    """(`bwd_transient_bytes`, `kept_grads_bwd_transient_bytes`) of a block from its `bwd_phase_bytes`:
+    the largest stretch with the gradients made so far (with `.grad` unset they stay), and with only
+    those in flight (with gradients kept, autograd adds each new one in place and frees it). Each at
+    least 0: the backward's start is a stretch's too."""
+    unset = max((rest + made for rest, made, _ in phases), default=0)
+    kept = max((rest + flight for rest, _, flight in phases), default=0)
+    unset, kept = max(0, int(round(unset))), max(0, int(round(kept)))
+    return unset, min(kept, unset)
 
 
 @dataclass(frozen=True)
@@ -228,14 +263,15 @@ class StepCost:
     post_forward_bytes: the same peak, but over the forward only (the head and the
         loss); None when not measured, then `post_saved_bytes` stands in for it.
     grads_live_in_forward: parameter gradients of the previous step are still
-        allocated during the forward (Lightning zeroes them after the forward).
+        allocated during the forward (Lightning zeroes them after the forward; a plain loop
+        that frees them before it, with `zero_grad()` at the end of a step, does not).
     grads_accumulate: the step is a micro-batch that accumulates into gradients earlier
         micro-batches made (Lightning's `accumulate_grad_batches` > 1, or any loop that calls
-        backward several times per optimizer step): every parameter gradient is allocated
-        throughout its forward and its backward, not only those of blocks whose backward is
-        done. A new gradient autograd adds in place into an existing one is scratch of the
-        backward that makes it, which `bwd_transient_bytes` (profiled with no gradients
-        allocated, so each gradient is new there) already holds.
+        backward several times per optimizer step, or keeps its gradients zeroed in place with
+        `zero_grad(set_to_none=False)`): every parameter gradient is allocated throughout its
+        forward and its backward, not only those of blocks whose backward is done. A new
+        gradient autograd adds in place into an existing one is scratch of the backward that
+        makes it, alive until it is added: each block's `kept_grads_bwd_transient_bytes`.
     optimizer_transient_bytes: scratch space of the optimizer step.
     grads_on_device: False when the strategy moves each parameter gradient off the device as the
         backward makes it (ZeRO-Offload, FSDP2's CPU offloading; the buckets it passes through are

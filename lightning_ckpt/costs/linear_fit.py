@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from lightning_ckpt.costs.block_costs import BlockCost, OpCost, StepCost
+from lightning_ckpt.costs.block_costs import BlockCost, OpCost, StepCost, backward_phase_peaks
 
 _BLOCK_LINEAR = (
     "saved_bytes",
@@ -47,7 +47,9 @@ _WORK = (  # bytes written or moved, not held
     "fwd_mem_bytes", "tail_mem_bytes", "fwd_rng_bytes", "tail_rng_bytes", "fwd_comm_bytes", "tail_comm_bytes",
 )
 # what a miss at the check slice is measured on: every size the memory model holds
-_CHECKED = tuple(f for f in _BLOCK_LINEAR if f.endswith("_bytes") and f not in _WORK) + ("ckpt_fwd_peak_bytes",)
+_CHECKED = tuple(f for f in _BLOCK_LINEAR if f.endswith("_bytes") and f not in _WORK) + (
+    "ckpt_fwd_peak_bytes", "kept_grads_bwd_transient_bytes",
+)
 _CHECKED_STEP = (*_STEP_LINEAR, "post_forward_bytes")
 # measured time differences (`lightning_ckpt.apply.keep_calibration`), on a line like `fwd_ms` when both probes have them
 _SIGNED_TIMES = ("keep_saved_ms", "keep_draws_saved_ms")
@@ -99,6 +101,21 @@ def _fit_ops(ops1: tuple[OpCost, ...], ops2: tuple[OpCost, ...], x1: int, x2: in
             )
         )
     return tuple(fitted)
+
+
+def _fit_backward(b1: BlockCost, b2: BlockCost, x1: int, x2: int, x: int, line: int) -> dict:
+    """A block's backward scratch at batch `x`: each stretch of its backward (`BlockCost.bwd_phase_bytes`) on
+    its own line, when both probes cut it alike (the same gradients made and in flight, stretch by stretch);
+    else the line through their peaks (`line`), with the kept-gradient peak on a line of its own (None when a
+    probe has none). The fitted cost keeps no stretches."""
+    p1, p2 = b1.bwd_phase_bytes, b2.bwd_phase_bytes
+    if p1 and len(p1) == len(p2) and all(a[1:] == b[1:] for a, b in zip(p1, p2)):
+        fitted = [(_line(x1, a[0], x2, b[0], x), a[1], a[2]) for a, b in zip(p1, p2)]
+        unset, kept = backward_phase_peaks(fitted)
+        return {"bwd_transient_bytes": unset, "kept_grads_bwd_transient_bytes": kept, "bwd_phase_bytes": ()}
+    k1, k2 = b1.kept_grads_bwd_transient_bytes, b2.kept_grads_bwd_transient_bytes
+    kept = None if k1 is None or k2 is None else min(line, int(round(max(0.0, _line(x1, k1, x2, k2, x)))))
+    return {"kept_grads_bwd_transient_bytes": kept, "bwd_phase_bytes": ()}
 
 
 @dataclass(frozen=True)
@@ -181,6 +198,7 @@ class Profile:
                 )
             else:
                 kw["ckpt_fwd_peak_bytes"] = None
+            kw.update(_fit_backward(b1, b2, x1, x2, batch_size, kw["bwd_transient_bytes"]))
             for tail, whole in _TAILS:
                 kw[tail] = min(kw[tail], kw[whole])
             kw["chains_from_previous"] = b1.chains_from_previous and b2.chains_from_previous

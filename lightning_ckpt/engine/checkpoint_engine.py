@@ -43,6 +43,8 @@ from lightning_ckpt.profiling.static_memory import StaticMemory
 from lightning_ckpt.engine.shape_plans import CostSource, ShapeDecision, ShapePlans, largest_shape, met_again, same_regions
 from lightning_ckpt.engine.shape_plans import describe as describe_decision
 from lightning_ckpt.engine.step_calls import new_step, read_calls
+from lightning_ckpt.engine.step_grads import GradFields, grad_fields
+from lightning_ckpt.engine.step_grads import follow as follow_grads
 
 
 class CheckpointEngine:
@@ -73,7 +75,7 @@ class CheckpointEngine:
         self._batch_idx = 0
         self.reserves = Reserves()  # budget held back per shape for memory a measured step showed (`measured`)
         self._held_batch_bytes = 0  # the batch whose prefixes are profiled (`_profile_budget`)
-        self._accumulating: bool | None = None  # the driver's `grads_accumulate` the cached plans were made under
+        self._grads: GradFields | None = None  # the driver's gradients the cached plans were made for (`step_grads`)
         # `block_signature` of the modules `bind` was given, and each of them (weakly: identity, not life)
         self._bound: tuple[list, list[weakref.ref]] | None = None
         self._calls_read = False  # whether `blocks` is the chain of calls read off a step (`read_calls`)
@@ -147,6 +149,12 @@ class CheckpointEngine:
             self.shape = shape  # its plan was never taken off
             raise
         return None if decision is None else decision.plan
+
+    @property
+    def plan_measured(self) -> bool:
+        """Whether a step under the applied plan was judged (`measured`): not for a shape's first plan, nor for
+        each plan made for it again (the step's gradients changed, a reserve, a resumed plan)."""
+        return self.reserves.was_measured(self.shape, self.plan)
 
     def explain(self, err: BaseException, model: torch.nn.Module | None = None) -> BaseException:
         """`err` made clear when it came from a recompute that did not repeat its forward (else `err`)."""
@@ -231,7 +239,7 @@ class CheckpointEngine:
             read_calls(self, batch)
         if self._applied is not None:  # a plan counts its block calls
             new_step(self)
-        self._follow_accumulation()
+        follow_grads(self)  # plans count the gradients a step holds as the driver says now
         own = shape_of(batch)  # read once: passed on to what plans it
         shapes = self.driver.all_gather(own)  # every rank's, so that all decide alike
         shape = shapes[0] if len(shapes) == 1 or len(set(shapes)) == 1 else largest_shape(shapes)
@@ -256,7 +264,7 @@ class CheckpointEngine:
         profiled shape at another batch size); None when it already is."""
         self._require_bound()
         new_step(self)
-        self._follow_accumulation()
+        follow_grads(self)  # plans count the gradients a step holds as the driver says now
         if self._in_place(shape):
             return None
         hit = self._shapes.cached(shape)
@@ -273,21 +281,6 @@ class CheckpointEngine:
         checkpointing stays in charge)."""
         kept_off = self._prepared is not None and not self._prepared.may_apply
         return shape == self.shape and self.plan is not None and (self._applied is not None or kept_off)
-
-    def _follow_accumulation(self) -> None:
-        """Plans count earlier micro-batches' gradients only when made with them (`StepCost.grads_accumulate`):
-        when the driver's setting changes in the fit (Lightning's `GradientAccumulationScheduler`), the plans
-        are dropped, said once, and each shape is planned again from its profile when its batch comes."""
-        now, before = bool(self.driver.grads_accumulate), self._accumulating
-        self._accumulating = now
-        if before is not None and before != now and self._shapes.plans:
-            n, self.shape = len(self._shapes.plans), None  # the applied plan stays until the new one replaces it
-            self._shapes.forget_plans()
-            self.driver.info(
-                f"lightning-ckpt: gradient accumulation turned {'on' if now else 'off'} (accumulate_grad_batches "
-                f"{'> 1' if now else '= 1'}): the {n} plan(s) made {'without' if now else 'with'} the gradients of "
-                "earlier micro-batches alive in each step are dropped; each batch shape is planned again."
-            )
 
     def _require_bound(self) -> None:
         if self._bound is None:
@@ -409,7 +402,7 @@ class CheckpointEngine:
         request = self.settings.request()
 
         def fits(cost_of: Callable[..., StepCost], at: BatchShape) -> bool:
-            costs = CostSource(cost_of, grads_accumulate=self.driver.grads_accumulate)
+            costs = CostSource(cost_of, *grad_fields(self.driver))
             return fits_target(costs, static, self.reserves.request(request, at), at.batch_size)
 
         return self._shapes.longest_length(shape, fits)
@@ -432,7 +425,7 @@ class CheckpointEngine:
         if self._static is None:
             self._static = self.driver.static_memory()
         request = self.reserves.request(self.settings.request(), shape)
-        costs = CostSource(cost_of, grads_accumulate=self.driver.grads_accumulate)
+        costs = CostSource(cost_of, *grad_fields(self.driver))
         if self._find_max:
             plan, cost = plan_for_max_at(
                 costs, self._static, request, self.settings.batch_multiple, shape, self._held_note, self.driver.info
@@ -440,7 +433,7 @@ class CheckpointEngine:
         else:
             make = functools.partial(plan_for_target, costs, self._static, request, shape.batch_size)
             try:  # the plan of a shape whose cost equals an earlier one's is that shape's (`planned_costs`)
-                plan, cost = self._costs.plan(cost_of, shape, (request, self._static, costs.grads_accumulate), make)
+                plan, cost = self._costs.plan(cost_of, shape, (request, self._static, costs.grad_fields), make)
             except InfeasibleBudgetError as err:
                 note = "" if "allow_python_state" in str(err) else self._held_note()
                 longest = self.longest_length(shape) if shape.batch_size == 1 else None

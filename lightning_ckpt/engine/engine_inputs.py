@@ -52,7 +52,8 @@ class StepDriver(Protocol):
     """What a front end gives the engine."""
 
     rank: int
-    grads_accumulate: bool  # gradients from an earlier micro-batch are alive in the step
+    grads_accumulate: bool  # every gradient is alive through the step (an earlier micro-batch's, or kept zeroed)
+    grads_live_in_forward: bool  # last step's gradients are alive in the forward (`engine.step_grads`)
 
     def profile(
         self, batch: Any, blocks: list[torch.nn.Module], names: list[str], *, batch_idx: int,

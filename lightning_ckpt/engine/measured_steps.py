@@ -1,9 +1,11 @@
 """Steps measured against their plan, and the memory held in reserve for what the model does not see.
 
-A front end measures the first steady step of each shape (`CheckpointEngine.measured`). A step within
-the budget changes nothing. A step over it holds the excess over the plan's prediction (memory the
-memory model does not see: a tensor kept alive across steps, a cache, a buffer made outside what was
-profiled) in reserve for that shape, whose next plan is made for the budget less the reserve:
+A front end measures the first steady step under each plan (`CheckpointEngine.measured`): a shape's first
+plan, and each plan made for it again (the gradients a step holds changed, a reserve, a resumed plan), until
+a step under it is judged (`Reserves.measured`). A step within the budget changes nothing. A step over it
+holds the excess over the plan's prediction (memory the memory model does not see: a tensor kept alive
+across steps, a cache, a buffer made outside what was profiled) in reserve for that shape, whose next plan
+is made for the budget less the reserve:
 
     reserves = Reserves()
     verdict = reserves.judge(shape, measured_bytes, plan, budget_bytes)   # over: the reserve grows
@@ -88,12 +90,18 @@ class MeasuredStep:
 
 @dataclass
 class Reserves:
-    """Bytes held back from the budget per shape (`held`), how often each shape was re-planned, and the
-    shapes that are planned no more for measured excess, with why."""
+    """Bytes held back from the budget per shape (`held`), how often each shape was re-planned, the
+    shapes that are planned no more for measured excess, with why, and the plan each shape's last judged
+    step ran under (`measured`; a plan made since has no step judged yet)."""
 
     bytes_held: dict[BatchShape, int] = field(default_factory=dict)
     replans: dict[BatchShape, int] = field(default_factory=dict)
     stopped: dict[BatchShape, str] = field(default_factory=dict)
+    measured: dict[BatchShape, Plan] = field(default_factory=dict)
+
+    def was_measured(self, shape: BatchShape | None, plan: Plan | None) -> bool:
+        """Whether a step of `shape` under this very `plan` (not an equal one made again) was judged."""
+        return shape is not None and plan is not None and self.measured.get(shape) is plan
 
     def held(self, shape: BatchShape | None) -> int:
         return self.bytes_held.get(shape, 0) if shape is not None else 0
@@ -147,6 +155,7 @@ def judge_step(
     the shape keeps its plan and is planned no more."""
     held = reserves.held(shape)
     verdict = reserves.judge(shape, peak_bytes, plan, budget_bytes, what)
+    reserves.measured[shape] = plan  # a plan made again below has its own next step judged
     if not verdict.replan:
         return verdict
     try:

@@ -322,14 +322,20 @@ class ShapePlans:
 
 @dataclass(frozen=True)
 class CostSource:
-    """`cost_of` with the step fields every plan of the run shares (gradient accumulation), as the
-    `at(batch_size, **step_fields)` the planners' callers take."""
+    """`cost_of` with the step fields every plan of the run shares (the gradients a step holds:
+    `engine.step_grads`), as the `at(batch_size, **step_fields)` the planners' callers take."""
 
     cost_of: CostOf
+    grads_live_in_forward: bool = True
     grads_accumulate: bool = False
 
+    @property
+    def grad_fields(self) -> tuple[bool, bool]:
+        return self.grads_live_in_forward, self.grads_accumulate
+
     def at(self, batch_size: int, **step_fields) -> StepCost:
-        return self.cost_of(batch_size, grads_accumulate=self.grads_accumulate, **step_fields)
+        step_fields.update(grads_live_in_forward=self.grads_live_in_forward, grads_accumulate=self.grads_accumulate)
+        return self.cost_of(batch_size, **step_fields)
 
 
 def same_regions(a: Plan | None, b: Plan | None) -> bool:

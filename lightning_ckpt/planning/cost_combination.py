@@ -39,8 +39,9 @@ class CostCombination:
             to.append([float(v) for v in values])
             return len(to) - 1
 
-        # per block: (fields of the first, its first count, its peak's count or None, fwd_ms float,
-        # signed time floats, the fields of each op call: none when the costs' calls differ)
+        # per block: (fields of the first, its first count, its peak's count or None, its kept-gradient
+        # backward peak's count or None, fwd_ms float, signed time floats, the fields of each op call: none
+        # when the costs' calls differ)
         self._blocks = []
         for i in range(first.n_blocks):
             blocks = [c.blocks[i] for c in costs]
@@ -48,12 +49,15 @@ class CostCombination:
             base["chains_from_previous"] = all(b.chains_from_previous for b in blocks)
             base["unreplayable"] = held_writes(blocks)  # a write seen at any shape holds at every shape
             base["written_state_bytes"] = max(b.written_state_bytes for b in blocks)
+            base["bwd_phase_bytes"] = ()  # a probe's stretches: the combined backward scratch is in its two peaks
             at = len(counts)
             for f in _INT_NAMES:
                 add([getattr(b, f) for b in blocks], counts)
             ms = add([b.fwd_ms for b in blocks], floats)
             peaks = [b.ckpt_fwd_peak_bytes for b in blocks]
             peak = None if None in peaks else add(peaks, counts)
+            kepts = [b.kept_grads_bwd_transient_bytes for b in blocks]
+            kept = None if None in kepts else add(kepts, counts)
             signed = {}
             for f in _SIGNED_TIMES:
                 values = [getattr(b, f) for b in blocks]
@@ -69,7 +73,7 @@ class CostCombination:
                     ops.append({f: getattr(op, f) for f in _OP_NAMES})
                     for f in _OP_FIELDS:
                         add([getattr(o, f) for o in calls], op_counts)
-            self._blocks.append((base, at, peak, ms, signed, ops))
+            self._blocks.append((base, at, peak, kept, ms, signed, ops))
         self._step = {}
         for f in _INT_STEP:
             values = [getattr(c, f) for c in costs]
@@ -99,11 +103,12 @@ class CostCombination:
         n_int = len(_INT_NAMES)
         k = 0  # the next op count: each op call takes the next four, in the order of `_OP_FIELDS`
         new, setattr_ = object.__new__, object.__setattr__
-        for base, at, peak, ms, signed, ops in self._blocks:
+        for base, at, peak, kept, ms, signed, ops in self._blocks:
             kw = base.copy()
             kw.update(zip(_INT_NAMES, counts[at : at + n_int]))
             kw["fwd_ms"] = max(0.0, v[ms])
             kw["ckpt_fwd_peak_bytes"] = None if peak is None else counts[peak]
+            kw["kept_grads_bwd_transient_bytes"] = None if kept is None else min(counts[kept], kw["bwd_transient_bytes"])
             for f, col in signed.items():
                 kw[f] = None if col is None else v[col]
             whole = kw["input_bytes"]

@@ -49,6 +49,7 @@ class ElementArrays:
     static: int  # base_bytes
     fwd_grads: int  # forward_grad_bytes
     least_bwd_grads: int  # the gradients alive during every block's backward (the least of G)
+    grads_kept: bool  # the backward adds into gradients an earlier micro-batch made (`backward_scratch_bytes`)
     end_need: int
     opt_need: int
     blocks: BlockColumns  # what the terms read
@@ -82,12 +83,13 @@ def element_arrays(cost: StepCost) -> ElementArrays:
     o[n] = end_relief(cost, True)
     W = np.zeros(n + 1, dtype=i64)
     np.cumsum(cols.saved_bytes, out=W[1:])
-    static, fwd_grads = base_bytes(cost), forward_grad_bytes(cost)
+    static, fwd_grads, kept = base_bytes(cost), forward_grad_bytes(cost), cost.grads_accumulate
     return ElementArrays(
         n=n,
         static=static,
         fwd_grads=fwd_grads,
         least_bwd_grads=int(G.min()) if n else head_grad_bytes(cost),
+        grads_kept=kept,
         end_need=end_need(cost),
         opt_need=optimizer_need(cost),
         blocks=cols,
@@ -101,7 +103,7 @@ def element_arrays(cost: StepCost) -> ElementArrays:
         W=W,
         v=backward_held_bytes(cols, G) + W[1:],
         # [constraint] `kept_element`: its forward (or the gap after it) or its backward
-        keep_need=static + np.maximum(kept_forward_bytes(cols, fwd_grads, gap), kept_backward_bytes(cols, G)),
+        keep_need=static + np.maximum(kept_forward_bytes(cols, fwd_grads, gap), kept_backward_bytes(cols, G, kept)),
     )
 
 
@@ -128,9 +130,10 @@ def segment_need_rows(a: ElementArrays, p0: int, p1: int, width: int) -> np.ndar
     # its backward with blocks p..k still rebuilt.
     G = win(a.G)
     acts = segment_activations_bytes(first, win(a.W[1:]) - a.W[rows, None])
-    last = block_backward_bytes(blk, G, acts, np.maximum.accumulate(blk.fwd_transient_bytes, axis=1))
+    kept = a.grads_kept
+    last = block_backward_bytes(blk, G, acts, np.maximum.accumulate(blk.fwd_transient_bytes, axis=1), kept)
     if width > 1:
-        inner = np.maximum.accumulate(block_backward_bytes(blk, G, acts), axis=1)
+        inner = np.maximum.accumulate(block_backward_bytes(blk, G, acts, grads_kept=kept), axis=1)
         np.maximum(last[:, 1:], inner[:, :-1], out=last[:, 1:])
     np.maximum(fwd, last, out=fwd)
     fwd += a.static
@@ -143,5 +146,5 @@ def single_segment_parts(a: ElementArrays) -> tuple[np.ndarray, np.ndarray]:
     cols = a.blocks
     fwd = a.static + np.maximum(segment_block_forward_bytes(cols, a.fwd_grads, 0), gap_forward_bytes(a.x, a.fwd_grads, a.gap))
     acts = segment_activations_bytes(cols, cols.saved_bytes)
-    bwd = a.static + block_backward_bytes(cols, a.G, acts, cols.fwd_transient_bytes)
+    bwd = a.static + block_backward_bytes(cols, a.G, acts, cols.fwd_transient_bytes, a.grads_kept)
     return fwd, bwd

@@ -93,10 +93,9 @@ def gradients_after(cost: StepCost) -> list[int]:
     """Per block, the parameter gradients that exist during its backward: those the head's
     backward made (it runs first), those of every later block and of the modules outside
     the chain after it (`gap_grad_bytes`); all of them when the step accumulates into
-    gradients earlier micro-batches made. The new gradient autograd holds while it adds it
-    into `.grad` is in the block's `bwd_transient_bytes` (profiled with `.grad` unset, where it
-    stays), so accumulating adds no term beside these. None when gradients leave the device as they
-    are made (`grads_on_device`): a block's own are in its `bwd_transient_bytes`."""
+    gradients earlier micro-batches made. The new gradient autograd holds until it adds it
+    into `.grad` (in place) is in the block's own scratch, `peak_terms.backward_scratch_bytes`. None when
+    gradients leave the device as they are made (`grads_on_device`): a block's own are in its scratch."""
     if not cost.grads_on_device:
         return [0] * cost.n_blocks
     if cost.grads_accumulate:
@@ -124,6 +123,7 @@ class StepTerms:
     base_bytes: int
     forward_grad_bytes: int
     gradients_after: tuple[int, ...]
+    grads_kept: bool  # the backward adds into gradients an earlier micro-batch made (`backward_scratch_bytes`)
 
 
 # (cost, its `StepTerms`, its kept elements or None) for the last cost asked: the planners ask for the same
@@ -136,7 +136,8 @@ def step_terms(cost: StepCost) -> StepTerms:
     global _LAST
     last = _LAST
     if last[0] is not cost:
-        last = _LAST = (cost, StepTerms(base_bytes(cost), forward_grad_bytes(cost), tuple(gradients_after(cost))), None)
+        terms = StepTerms(base_bytes(cost), forward_grad_bytes(cost), tuple(gradients_after(cost)), cost.grads_accumulate)
+        last = _LAST = (cost, terms, None)
     return last[1]
 
 
@@ -182,7 +183,8 @@ def peak_floor_bytes(cost: StepCost) -> int:
     forward and the head's backward, and each block's backward with what it saves rebuilt
     (`kept_backward_bytes`), on the base bytes."""
     after = gradients_after(cost)
-    blocks = [base_bytes(cost) + kept_backward_bytes(b, after[i]) for i, b in enumerate(cost.blocks)]
+    kept = cost.grads_accumulate
+    blocks = [base_bytes(cost) + kept_backward_bytes(b, after[i], kept) for i, b in enumerate(cost.blocks)]
     # the head on a kept last block finds the output it saved resident (`end_relief`); what the
     # block leaves resident holds all it saved, so at most the part of the relief beyond that is off
     last = cost.blocks[-1] if cost.n_blocks else None
@@ -261,7 +263,7 @@ def kept_element(cost: StepCost, p: int, terms: StepTerms) -> Element:
     """
     blk = cost.blocks[p]
     fwd = terms.base_bytes + kept_forward_bytes(blk, terms.forward_grad_bytes, gap_after(cost, p))
-    bwd = terms.base_bytes + kept_backward_bytes(blk, terms.gradients_after[p])
+    bwd = terms.base_bytes + kept_backward_bytes(blk, terms.gradients_after[p], terms.grads_kept)
     return Element(p, p, False, fwd, bwd, p, blk.saved_bytes)
 
 
@@ -278,7 +280,7 @@ def segment_elements(cost: StepCost, first: int, terms: StepTerms) -> Iterator[E
     forward scratch (`block_backward_bytes`).
     """
     blocks = cost.blocks
-    after = terms.gradients_after
+    after, kept = terms.gradients_after, terms.grads_kept
     base, fwd_grads = terms.base_bytes, terms.forward_grad_bytes
     x = blocks[first].input_bytes
     fwd = rebuilt = scratch = 0
@@ -289,13 +291,13 @@ def segment_elements(cost: StepCost, first: int, terms: StepTerms) -> Iterator[E
         rebuilt += blk.saved_bytes
         scratch = max(scratch, blk.fwd_transient_bytes)
         acts = segment_activations_bytes(blocks[first], rebuilt)
-        last = base + block_backward_bytes(blk, after[b], acts, scratch)
+        last = base + block_backward_bytes(blk, after[b], acts, scratch, kept)
         out = max(fwd, base + gap_forward_bytes(x, fwd_grads, gap_after(cost, b)))
         if inner is None or last >= inner:
             yield Element(first, b, True, out, last, b, x)
         else:
             yield Element(first, b, True, out, inner, inner_at, x)
-        alone = base + block_backward_bytes(blk, after[b], acts)
+        alone = base + block_backward_bytes(blk, after[b], acts, grads_kept=kept)
         if inner is None or alone >= inner:
             inner, inner_at = alone, b
 

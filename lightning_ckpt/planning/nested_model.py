@@ -160,7 +160,7 @@ def nested_backward(cost: StepCost, first: int, last: int, inner: Sequence[Span]
             blk = blocks[a]
             if prev_child:
                 resident += blk.shared_with_previous_bytes
-            need = resident + kept_backward_bytes(blk, after[a])
+            need = resident + kept_backward_bytes(blk, after[a], terms.grads_kept)
             if need >= best:
                 best, at = need, a
             resident += blk.saved_bytes

@@ -81,7 +81,7 @@ class _Tables:
         def up(v):
             return -(-np.asarray(v, dtype=np.int64) // q)
 
-        self.Tk = up(kept_backward_bytes(a.blocks, a.G))  # a saving block's backward
+        self.Tk = up(kept_backward_bytes(a.blocks, a.G, a.grads_kept))  # a saving block's backward
         self.Rk = up(a.saved)
         self.Rx = up(a.x)
         self.SH = up(a.sh[:n])

@@ -30,7 +30,8 @@ class BlockColumns:
     """The `BlockCost` fields the terms read, as int64 columns over the blocks (same names).
 
     ckpt_fwd_peak_bytes holds `ckpt_forward_bytes` of each block: the measured peak, or its
-    bound where it was not measured (None in `BlockCost`)."""
+    bound where it was not measured (None in `BlockCost`); kept_grads_bwd_transient_bytes the
+    `backward_scratch_bytes` of a backward into kept gradients, the same way."""
 
     saved_bytes: np.ndarray
     input_bytes: np.ndarray
@@ -41,18 +42,20 @@ class BlockColumns:
     fwd_transient_bytes: np.ndarray
     ckpt_fwd_peak_bytes: np.ndarray
     bwd_transient_bytes: np.ndarray
+    kept_grads_bwd_transient_bytes: np.ndarray
     carried_fwd_bytes: np.ndarray
     carried_bwd_bytes: np.ndarray
 
     @classmethod
     def of(cls, blocks: Sequence[BlockCost]) -> BlockColumns:
         names = [f.name for f in fields(cls)]
-        peak = names.index("ckpt_fwd_peak_bytes")
+        peak, kept = names.index("ckpt_fwd_peak_bytes"), names.index("kept_grads_bwd_transient_bytes")
         read = attrgetter(*names)
         rows = []
         for b in blocks:
             row = list(read(b))
             row[peak] = ckpt_forward_bytes(b)
+            row[kept] = backward_scratch_bytes(b, True)
             rows.append(row)
         # one table, each column a contiguous row of its transpose (each value converted as one column would)
         table = np.array(rows, dtype=np.int64).reshape(len(blocks), len(names)).T.copy()
@@ -131,6 +134,19 @@ def kept_forward_bytes(blk, forward_grads, gap_bytes):
 # ----------------------------------------------------------------------------- backward
 
 
+def backward_scratch_bytes(blk, grads_kept):
+    """[constraint] What a block's own backward makes above the bytes live at its start, its parameter
+    gradients included. With `.grad` unset each gradient it makes stays (`bwd_transient_bytes`); with the
+    gradients kept from an earlier micro-batch (`StepCost.grads_accumulate`, all of them counted in
+    `grads_after`) autograd adds each new one into `.grad` in place and frees it, so only those made and
+    not yet added count (`kept_grads_bwd_transient_bytes`, or the unset peak where it was not measured)."""
+    if not grads_kept:
+        return blk.bwd_transient_bytes
+    if isinstance(blk, BlockColumns) or blk.kept_grads_bwd_transient_bytes is not None:
+        return blk.kept_grads_bwd_transient_bytes  # columns: this function's value per block (`BlockColumns.of`)
+    return blk.bwd_transient_bytes
+
+
 def backward_held_bytes(blk, grads_after):
     """What a block's backward holds besides activations and scratch: the parameter gradients
     that exist then (`grads_after`, `memory_model.gradients_after`), the gradient of its output
@@ -138,19 +154,20 @@ def backward_held_bytes(blk, grads_after):
     return grads_after + blk.output_bytes + blk.carried_bwd_bytes
 
 
-def block_backward_bytes(blk, grads_after, activations_bytes, scratch_bytes=0):
+def block_backward_bytes(blk, grads_after, activations_bytes, scratch_bytes=0, grads_kept=False):
     """[constraint] A block's backward: the activations that exist then (`activations_bytes`:
     what it saved, or all a segment's recompute rebuilt up to it), `backward_held_bytes`, and the
-    larger of its own scratch and the forward scratch of a recompute still alive then
-    (`scratch_bytes`: the last block of a segment meets it)."""
-    return activations_bytes + backward_held_bytes(blk, grads_after) + _max(blk.bwd_transient_bytes, scratch_bytes)
+    larger of its own scratch (`backward_scratch_bytes`; `grads_kept`: into kept gradients) and the
+    forward scratch of a recompute still alive then (`scratch_bytes`: the last block of a segment meets it)."""
+    own = backward_scratch_bytes(blk, grads_kept)
+    return activations_bytes + backward_held_bytes(blk, grads_after) + _max(own, scratch_bytes)
 
 
-def kept_backward_bytes(blk, grads_after):
+def kept_backward_bytes(blk, grads_after, grads_kept=False):
     """[constraint] A kept block's backward, on what it saved. Also the least any block's backward
     needs under any plan, whatever the nesting: what it saved exists again however it was
     rebuilt (`memory_model.peak_floor_bytes`)."""
-    return block_backward_bytes(blk, grads_after, blk.saved_bytes)
+    return block_backward_bytes(blk, grads_after, blk.saved_bytes, grads_kept=grads_kept)
 
 
 def segment_activations_bytes(first_blk, rebuilt_bytes):

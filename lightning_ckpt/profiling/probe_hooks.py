@@ -109,6 +109,9 @@ class Probe:
         # gradient replaced by the sum at a later call, and the first is a gradient too, not a carried tensor
         self.param_grads: set[int] = set()
         self.grad_written: dict[int, int | None] = {}  # id of a parameter -> the block whose backward wrote its .grad
+        # each block's backward window as ledger ticks (t0, t1], and (serial, tick) of each gradient written in it
+        self.bwd_window: list[tuple[int, int] | None] = [None] * n
+        self.bwd_writes: list[list[tuple[int, int]]] = [[] for _ in range(n)]
         self.owned: list[list] = [[] for _ in range(n)]  # (serial, bytes) of what each block saved first
         self.shared_serials: list[list] = [[] for _ in range(n)]
         self.input_serial: list[int | None] = [None] * n
@@ -290,6 +293,8 @@ class Probe:
         serial = self.ledger.serial(storage_key(param.grad)) if param.grad is not None else None
         if serial is not None:
             self.param_grads.add(serial)
+            if self.bwd_open is not None:  # where its block's backward stretches are cut (`backward_phases`)
+                self.bwd_writes[self.bwd_open].append((serial, self.ledger.mark()))
         # a parameter used by several calls gets its .grad once all their contributions are in (autograd sums
         # them first): in the backward of the call that runs last, not of the first
         self.grad_written.setdefault(id(param), self.bwd_open)
@@ -314,6 +319,7 @@ class Probe:
             self.post_open = False
         if self.bwd_open is not None:
             self.bwd_transient[self.bwd_open] = max(0, self.tracker.peak_bytes - self.bwd_start_live)
+            self.bwd_window[self.bwd_open] = (self.grad_tick[self.bwd_open], self.ledger.mark())
             self.bwd_open = None
 
     def account_carried(

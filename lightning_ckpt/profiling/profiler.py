@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt.costs.block_costs import BlockCost, StepCost
+from lightning_ckpt.costs.block_costs import BlockCost, StepCost, backward_phase_peaks
+from lightning_ckpt.profiling.backward_phases import backward_phases
 from lightning_ckpt.profiling.batch import batch_size_of, tensors_in
 from lightning_ckpt.profiling.block_calls import CallSites, distinct, hook_calls
 from lightning_ckpt.profiling.forward_hazards import PythonStateWatch
@@ -150,6 +151,7 @@ def probe_step(
         probe.hold_in_head(terms.carried, forward_end)
 
     entry_grads = _entry_grad_bytes(blocks, held, probe.grad_written)
+    phases = backward_phases(probe.ledger, probe.bwd_window, probe.bwd_writes)
     outside_grad = _grad_bytes(model, held) - sum(entry_grads)
     room = max(0, outside_grad)  # parameters shared by two blocks count twice in the blocks' sum
     for i, nbytes in enumerate(late):
@@ -168,6 +170,8 @@ def probe_step(
             fwd_transient_bytes=probe.fwd_transient[i],
             ckpt_fwd_peak_bytes=ckpt_peaks[i],
             bwd_transient_bytes=probe.bwd_transient[i],
+            kept_grads_bwd_transient_bytes=min(backward_phase_peaks(phases[i])[1], probe.bwd_transient[i]) if phases[i] else None,
+            bwd_phase_bytes=phases[i],
             grad_bytes=entry_grads[i],
             fwd_flops=int(probe.fwd_flops[i]),
             tail_flops=int(probe.fwd_flops[i] - (probe.flops_at_last_pack[i] - probe.flops_at_entry[i])),

@@ -55,9 +55,10 @@ class ActivationCheckpointing(Callback):
         verbose: print the plan table on rank 0.
         batch_multiple: with ``target_batch_size="max"``, round the batch down to a multiple of this.
         strict_resume: when a checkpoint's plan no longer matches the model or does not hold, raise instead of re-planning.
-        measure_peak: measure the first steady step of each batch shape (CPU: tracked tensors, cheaply; CUDA: max
-            allocated) beside the prediction; a step over the budget is a warning with both numbers, and its shape
-            is planned again with the excess held in reserve. False: never measured.
+        measure_peak: measure the first steady step of each batch shape, and again after each re-plan of it (CPU:
+            tracked tensors, cheaply; CUDA: max allocated) beside the prediction; a step over the budget is a
+            warning with both numbers, and its shape is planned again with the excess held in reserve. False:
+            never measured.
         report: write the plan and profile as JSON and the trade-off plot as PNG to the log directory.
         plan_only: stop after planning (raises `PlanOnly`), used by ``python -m lightning_ckpt plan``.
         tune_allocator: make the memory the OS or GPU sees follow the tensors; None: on CUDA only
@@ -298,9 +299,10 @@ class ActivationCheckpointing(Callback):
             )
 
     def _start_measuring(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        """Measure the first steady step of each shape (optimizer state exists, and with gradient
-        accumulation gradients from an earlier micro-batch are alive, as the plan assumes), once."""
-        if self._peak is not None or self.engine.shape in self.measured_peaks:
+        """Measure the first steady step under each plan (optimizer state exists, and with gradient
+        accumulation gradients from an earlier micro-batch are alive, as the plan assumes): a shape's first
+        plan, and again after each re-plan of it (accumulation changed, a reserve, a resumed plan)."""
+        if self._peak is not None or self.engine.plan_measured:
             return
         accumulating = trainer.accumulate_grad_batches == 1 or batch_idx % trainer.accumulate_grad_batches != 0
         if accumulating and measured_peak.should_measure(trainer, self.measure_peak):

@@ -49,6 +49,11 @@ class LightningDriver:
     def grads_accumulate(self) -> bool:
         return self.trainer.accumulate_grad_batches > 1
 
+    @property
+    def grads_live_in_forward(self) -> bool:
+        """Automatic optimization zeroes the gradients after the training step's forward (`set_to_none=True`)."""
+        return True
+
     def chain(
         self, pl_module: pl.LightningModule, blocks: str | list[str] | None, batch: Any
     ) -> tuple[list[str], list[torch.nn.Module]] | ChainChoice:

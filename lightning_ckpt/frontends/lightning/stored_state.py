@@ -22,7 +22,9 @@ from lightning_ckpt.planning.plan import Plan
 
 # what `to_dict` writes beside the fields and `from_dict` recomputes (checked only for being there)
 _DERIVED: dict[type, frozenset[str]] = {Plan: frozenset({"checkpointed", "recompute_share", "fits"})}
-_SIGNED = frozenset({"keep_saved_ms", "keep_draws_saved_ms"})  # measured differences of times
+# measured differences of times, and the stretches of a block's backward (`BlockCost.bwd_phase_bytes`: what they
+# hold above the backward's start may be below it)
+_SIGNED = frozenset({"keep_saved_ms", "keep_draws_saved_ms", "bwd_phase_bytes"})
 _LEAST = {"segment": -1, "batch_size": 1}  # every other number is >= 0 (-1: a block in no segment)
 # `dict`-typed fields whose entries are read as typed values: the rates are a `MachineRates.to_dict()`
 _KEYS: dict[str, dict[str, Any]] = {

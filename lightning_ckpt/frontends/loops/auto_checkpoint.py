@@ -14,7 +14,11 @@ the same loop without it. Arguments, defaults and errors are the callback's (`co
 A training forward whose inputs are larger in some size than any planned one, with no
 `handle.step(batch)` before it, is refused before it runs (`check_shapes`): its plan was never made.
 A step you measure yourself goes to `handle.measured(peak_bytes)`: over the budget, its shape is
-planned again with the excess over the prediction held in reserve (the callback measures for you).
+planned again with the excess over the prediction held in reserve (the callback measures for you);
+`handle.plan_measured` says when the applied plan has no step measured yet.
+What the loop does with its gradients (freed by `zero_grad()`, kept by `zero_grad(set_to_none=False)`,
+alive in the forward when zeroed after it) is read from their `.grad` at each `handle.step`; the first
+plan counts those there are then, and a loop seen to hold more is planned again before the step runs.
 """
 
 from __future__ import annotations
@@ -64,6 +68,12 @@ class CheckpointHandle:
     def plans(self) -> dict[BatchShape, Plan]:
         return self.engine.plans
 
+    @property
+    def plan_measured(self) -> bool:
+        """Whether a step under the applied plan was passed to `measured`: False for a shape's first plan and
+        after each re-plan of it, when the next step is the one to measure."""
+        return self.engine.plan_measured
+
     def longest_length(self) -> int | None:
         """The longest sequence (or packed row) that fits the budget at the batch size of the last `step`
         with the best plan, from the profiles alone; None when the length was never fitted."""
@@ -75,7 +85,10 @@ class CheckpointHandle:
 
     def step(self, batch: Any) -> Plan:
         """Apply the plan for `batch`'s shape before its step (profiled and planned the first time a
-        shape comes, cached after); collective under `torch.distributed`: call it on every rank."""
+        shape comes, cached after); collective under `torch.distributed`: call it on every rank. The
+        parameters' gradients are read first: a loop seen to hold more of them than its plans count (kept
+        between steps, or alive in the forward) is planned again for them (`loop_grads`)."""
+        self._driver.observe_grads()
         decision = self.engine.step(batch)
         if decision is not None:
             self._expect = True
@@ -201,6 +214,7 @@ def auto_checkpoint(
         raise ValueError(f"optimizer_state_bytes={optimizer_state_bytes!r} must be a whole number of bytes, 0 or more "
                          "(the optimizer's state once it exists), or None to have it sized from the optimizer.")
     driver = PlainDriver(model, step_fn, optimizer, optimizer_state_bytes, accumulate_grad_batches > 1, info=info)
+    driver.observe_grads()  # the first plan counts the gradients the loop holds now (none before its first step)
     _check_optimizer(driver.optimizer, optimizer_state_bytes)
     budget = arguments.resolve_budget(budget_bytes, _device_of(driver.model))
     settings = EngineSettings(

@@ -1,7 +1,8 @@
 """The engine's `StepDriver` for a loop the user writes: plain PyTorch, or Fabric after `fabric.setup`.
 
 A step is the user's `step_fn(batch)`, which returns the loss; profiling runs its backward and puts
-every state back (`profiling.profiler`). Wrappers are seen through: Fabric's `_FabricModule`,
+every state back (`profiling.profiler`). What the loop does with its gradients between steps is read at
+each step's start (`observe_grads`, `loop_grads`). Wrappers are seen through: Fabric's `_FabricModule`,
 `DistributedDataParallel` (profiling runs inside its `no_sync`, so no gradient is reduced) and a
 Fabric optimizer. With `torch.distributed` initialised (Fabric, torchrun) rank 0 plans and every
 rank takes its plan; collectives are `torch.distributed`'s object collectives.
@@ -27,6 +28,7 @@ from lightning_ckpt.profiling.batch import batch_size_of, checked_size, slice_ba
 from lightning_ckpt.profiling.ddp_memory import ddp_comm_buffer_bytes
 from lightning_ckpt.profiling.profile_budget import ProfileBudget
 from lightning_ckpt.engine.step_profile import profile_model
+from lightning_ckpt.frontends.loops.loop_grads import LoopGradients, StepGrads
 from lightning_ckpt.profiling.block_calls import call_chain
 from lightning_ckpt.profiling.state import preserved_rng, preserved_state, unchanged_parameters
 from lightning_ckpt.profiling.static_memory import StaticMemory, static_memory
@@ -94,13 +96,33 @@ class PlainDriver:
         self.wrapped, self.model = model, unwrap_module(model)
         self.step_fn, self.optimizer = step_fn, unwrap_optimizer(optimizer)
         self.optimizer_state_bytes = optimizer_state_bytes
-        self.grads_accumulate = grads_accumulate
+        self.accumulating = grads_accumulate  # said by the user: several backward passes per optimizer step
+        self.loop_grads = LoopGradients()
         self._info, self._warn = info, warn
         self.profiling = False  # True while a profile runs (the front end's shape guard stays quiet)
 
     @property
     def rank(self) -> int:
         return dist.get_rank() if distributed() else 0
+
+    def observe_grads(self) -> None:
+        """Read the parameters' gradients at the start of a step (`loop_grads.LoopGradients.observe`)."""
+        self.loop_grads.observe(p for p in self.model.parameters() if p.requires_grad)
+
+    @property
+    def grads_accumulate(self) -> bool:
+        """Every gradient is alive through the step: accumulation said, or gradients seen kept between steps."""
+        return self.accumulating or self.loop_grads.state == StepGrads.KEPT
+
+    @property
+    def grads_live_in_forward(self) -> bool:
+        """Last step's gradients are alive in the forward (seen at a step's start)."""
+        return self.accumulating or self.loop_grads.state >= StepGrads.FORWARD
+
+    @property
+    def grads_reason(self) -> str | None:
+        """What changed the gradients the plans count, for the message (`engine.step_grads.follow`)."""
+        return None if self.accumulating else self.loop_grads.state.describe()
 
     def profile(
         self, batch: Any, blocks: list[nn.Module], names: list[str], *, batch_idx: int,
