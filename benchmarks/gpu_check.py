@@ -116,19 +116,8 @@ def run_case(name: str, precision: str, device: torch.device, quick: bool, steps
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # reserved memory of earlier runs does not count for this one
-            for _ in range(2 if "compiled" in label else 1):  # warm-up (compiles once)
-                step(batch, runner)
-            times = []
-            with _measured(device, model, opt, batch) as peaks:
-                for _ in range(steps):
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    step(batch, runner)
-                    _sync(device)
-                    times.append(time.perf_counter() - t0)
-            error = None
-        except Exception as err:  # a failing run is a row of the table, not the end of the check
-            peaks, times, error = {"allocated": None, "reserved": None}, [float("nan")], f"{type(err).__name__}: {err}"
+            peaks, times, error = _timed_steps(device, model, opt, batch, steps, lambda b=batch, r=runner: step(b, r),
+                                               warm=2 if "compiled" in label else 1)  # (compiles once)
         finally:
             applied.remove()
         rows.append({
@@ -185,18 +174,7 @@ def run_fsdp_offload(device: torch.device, quick: bool, steps: int) -> list[dict
                                    ("optimal 33 %", lc.make_plan(cost, "optimal", budget), budget)):
             applied = lc.apply_plan(blocks, plan)
             try:
-                step(batch)
-                times = []
-                with _measured(device, model, opt, batch) as peaks:
-                    for _ in range(steps):
-                        _sync(device)
-                        t0 = time.perf_counter()
-                        step(batch)
-                        _sync(device)
-                        times.append(time.perf_counter() - t0)
-                error = None
-            except Exception as err:  # a failing run is a row of the table, not the end of the check
-                peaks, times, error = {"allocated": None, "reserved": None}, [float("nan")], f"{type(err).__name__}: {err}"
+                peaks, times, error = _timed_steps(device, model, opt, batch, steps, lambda: step(batch))
             finally:
                 applied.remove()
             rows.append({
@@ -209,6 +187,25 @@ def run_fsdp_offload(device: torch.device, quick: bool, steps: int) -> list[dict
     finally:
         if own_group:
             dist.destroy_process_group()
+
+
+def _timed_steps(device, model, opt, batch, steps: int, run, warm: int = 1) -> tuple[dict, list[float], str | None]:
+    """`warm` steps, then `steps` timed and measured (`_measured`) -> (peaks, seconds per step, error). A failing
+    run is a row of the table, not the end of the check: its error is returned."""
+    try:
+        for _ in range(warm):
+            run()
+        times = []
+        with _measured(device, model, opt, batch) as peaks:
+            for _ in range(steps):
+                _sync(device)
+                t0 = time.perf_counter()
+                run()
+                _sync(device)
+                times.append(time.perf_counter() - t0)
+        return peaks, times, None
+    except Exception as err:
+        return {"allocated": None, "reserved": None}, [float("nan")], f"{type(err).__name__}: {err}"
 
 
 def _mib(n) -> str:
