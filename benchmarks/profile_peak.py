@@ -4,9 +4,13 @@ the whole `auto_checkpoint` call and the first steps, beside the same numbers fo
 
 - `lm`: a causal LM of 8 attention-heavy blocks (d 32, one head) at batch 4 x 1,000 tokens, 120 MiB;
 - `llama`: HF Llama from config (8 layers, hidden 128, 4 heads, attention dropout 0.1) at batch (1, 2048),
-  a budget 10 % above the `full` plan's measured peak; losses compared with training without the library.
+  a budget 10 % above the `full` plan's measured peak; losses compared with training without the library;
+- `grow`: the causal LM of `lm` at batch 4 over lengths that grow from 100 to 1,000 tokens (each new length
+  profiled when it comes, inside the measured step), 120 MiB;
+- `swin`: HF Swin from config (224 px, embed 48, depths 2/2/6/2) at batch 8 with `blocks=None`, a budget of
+  0.53 x the unplanned step's measured peak.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/profile_peak.py [--cases lm llama]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/profile_peak.py [--cases lm llama grow swin]
 
 Each case runs in this process one after the other; times are wall seconds on this machine, noisy.
 """
@@ -141,9 +145,60 @@ def run(name: str, model, step_fn, batches, budget: int, blocks: str) -> None:
     return losses
 
 
+def grow() -> None:
+    """The LM over growing lengths: every step measured with its `handle.step` (a new length is profiled there)."""
+    torch.manual_seed(0)
+    model, budget = _LM(), 120 * MiB
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    lengths = [100 + 900 * i // 19 for i in range(20)]
+    batches = [torch.randint(0, 96, (4, n), generator=torch.Generator().manual_seed(i)) for i, n in enumerate(lengths)]
+    held = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    handle, worst, library_s, total_s = None, 0.0, 0.0, time.perf_counter()
+    for batch in batches:
+        gc.collect()
+        state = sum(v.untyped_storage().nbytes() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+        with _LivePeak() as seen:
+            start = time.perf_counter()
+            if handle is None:
+                handle = auto_checkpoint(model, budget, example_batch=batch, step_fn=model, optimizer=opt, blocks="blocks",
+                                         verbose=False, info=lambda line: None)
+            handle.step(batch)
+            library_s += time.perf_counter() - start
+            model(batch).backward()
+            opt.step()
+            opt.zero_grad()
+        worst = max(worst, (seen.peak + held + state + batch.nbytes) / budget)
+    total_s = time.perf_counter() - total_s
+    print(f"grow   budget {budget / MiB:7.1f} MiB | {len(lengths)} lengths 100..1000, {handle.engine.profile_runs} "
+          f"profiles | worst step (its profiling included) {worst:4.2f}x budget | library {library_s:5.1f} s of "
+          f"{total_s:5.1f} s ({100 * library_s / total_s:.0f} %)")
+    handle.remove()
+
+
+def swin() -> None:
+    from transformers import SwinConfig, SwinForImageClassification
+
+    torch.manual_seed(0)
+
+    def build():
+        torch.manual_seed(0)
+        cfg = SwinConfig(image_size=224, embed_dim=48, depths=[2, 2, 6, 2], num_labels=10)
+        return SwinForImageClassification(cfg).train()
+
+    g = torch.Generator().manual_seed(0)
+    batches = [{"pixel_values": torch.randn(8, 3, 224, 224, generator=g), "labels": torch.randint(0, 10, (8,), generator=g)}
+               for _ in range(2)]
+    plain = build()
+    _, ref_peaks = _steps(plain, lambda b: plain(**b).loss, batches)
+    held = _held(plain, batches[0])
+    budget = int(0.53 * (max(ref_peaks) + held))
+    model = build()
+    run("swin", model, lambda b: model(**b).loss, batches, budget, None)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", nargs="+", default=["lm", "llama"], choices=["lm", "llama"])
+    parser.add_argument("--cases", nargs="+", default=["lm", "llama", "grow", "swin"], choices=["lm", "llama", "grow", "swin"])
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     if "lm" in args.cases:
@@ -168,6 +223,10 @@ def main(argv: list[str] | None = None) -> None:
         losses = run("llama", model, lambda b: model(**b).loss, batches, budget, "model.layers")
         print(f"       unplanned steps {max(ref_peaks) / budget:4.2f}x budget; losses equal to training without the "
               f"library: {losses == ref_losses}")
+    if "grow" in args.cases:
+        grow()
+    if "swin" in args.cases:
+        swin()
 
 
 if __name__ == "__main__":

@@ -18,12 +18,16 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from zoo_models import ZOO
 
+from lightning_ckpt import make_plan
 from lightning_ckpt.apply.segments import apply_segments
+from lightning_ckpt.costs.linear_fit import Profile
+from lightning_ckpt.engine.target_plan import cost_at
 from lightning_ckpt.engine.model_prep import prepare_model
 from lightning_ckpt.profiling.block_calls import call_chain
 from lightning_ckpt.profiling.profiler import probe_step
 from lightning_ckpt.profiling.recompute_probe import RecomputeMismatch
 from lightning_ckpt.profiling.state import preserved_state
+from lightning_ckpt.profiling.static_memory import static_memory
 from lightning_ckpt.profiling.tracker import LiveBytesOverLimit
 
 
@@ -75,7 +79,11 @@ def test_the_pass_under_checkpointing_measures_what_the_unplanned_pass_does(name
         under = probe_step(entry.model, blocks, entry.loss, batch, names, timing=False, recompute=True)
     assert under.meta["under_checkpointing"] and "under_checkpointing" not in plain.meta
     for a, b in zip(plain.blocks, under.blocks):
-        assert dataclasses.asdict(a) == dataclasses.asdict(b), a.name
+        # every field equal but the backward's stretches: an argument storage made before the chain (a
+        # position embedding, a mask) is seen dead at the next op or hook under checkpointing, which may fall
+        # after a gradient write of the first block: its stretches then differ by that storage's bytes
+        assert dataclasses.replace(a, bwd_phase_bytes=()) == dataclasses.replace(b, bwd_phase_bytes=()), a.name
+        assert len(a.bwd_phase_bytes or ()) == len(b.bwd_phase_bytes or ())
     for field in dataclasses.fields(plain):
         if field.name not in ("blocks", "meta"):
             assert getattr(plain, field.name) == getattr(under, field.name), field.name
@@ -83,6 +91,17 @@ def test_the_pass_under_checkpointing_measures_what_the_unplanned_pass_does(name
         k: v for k, v in under.meta.items() if k not in ("pass_bytes", "under_checkpointing")
     }
     assert under.meta["pass_bytes"] <= 1.05 * plain.meta["pass_bytes"]
+    # what planning reads of them: the peaks of `full`, `none` and the least recompute half way, with and
+    # without accumulated gradients, within 1 %
+    state = static_memory(entry.model)
+    for accumulate in (False, True):
+        found = []
+        for probe in (plain, under):
+            cost = dataclasses.replace(cost_at(Profile(probes=(probe, probe)), probe.batch_size, state),
+                                       grads_accumulate=accumulate)
+            lo, hi = (make_plan(cost, policy).predicted_peak_bytes for policy in ("full", "none"))
+            found.append((lo, hi, make_plan(cost, "optimal", (lo + hi) // 2).predicted_peak_bytes))
+        assert all(abs(u - v) <= 0.01 * u for u, v in zip(*found)), found
 
 
 class _Deep(nn.Module):

@@ -290,6 +290,8 @@ class Probe:
     # backward
     def grad_accumulated(self, param: torch.Tensor) -> None:
         """A parameter's gradient was written (`Tensor.register_post_accumulate_grad_hook`)."""
+        if self.saves is not None:  # (deaths the unplanned step has had by now are counted first)
+            self.saves.look_for_deaths()
         serial = self.ledger.serial(storage_key(param.grad)) if param.grad is not None else None
         if serial is not None:
             self.param_grads.add(serial)
@@ -301,6 +303,8 @@ class Probe:
 
     def _bwd_marker(self, i: int):
         def hook(grad):
+            if self.saves is not None:
+                self.saves.look_for_deaths()
             self._close_window()
             self.grad_tick[i] = self.ledger.mark()
             serial = self.ledger.serial(storage_key(grad))
