@@ -14,6 +14,8 @@ from lightning_ckpt.planning.timing_fit import (
     BlockTiming,
     fit_keep_ops_op_s,
     fit_op_call_s,
+    saving_undecided,
+    trusted_saving,
     with_block_timings,
 )
 
@@ -37,6 +39,30 @@ def test_with_block_timings_keeps_what_lies_beyond_the_noise_and_scales_to_the_b
     assert with_block_timings(cost, {1: enough}, 2).blocks[1].keep_saved_ms == pytest.approx(1.0)
     with pytest.raises(ValueError, match="measured_batch=0 must be a positive batch size"):
         with_block_timings(cost, {}, measured_batch=0)
+
+
+@pytest.mark.parametrize(
+    ("saved", "noise", "recompute", "trusted", "undecided"),
+    [
+        (7.5, 1.0, 30.0, 6.5, False),  # the band clears the bar (1.5 ms): its lower end counts
+        (7.5, 6.6, 30.0, 0.0, True),  # clears its noise, not the bar: more rounds may tell
+        (7.0, 6.4, 28.0, 0.0, True),  # the 48-block encoder on a loaded machine
+        (1.0, 0.2, 30.0, 0.0, False),  # steady but below the bar: none, whatever more rounds bring
+        (0.0, 0.0, 30.0, 0.0, False),
+        (-2.0, 1.0, 30.0, -2.0, False),  # a loss counts as measured
+        (-0.5, 1.0, 30.0, -0.5, False),  # the band wholly below the bar
+        (-0.5, 1.0, None, -0.5, True),
+        (0.5, 1.0, None, 0.0, True),  # no recompute measured: the bar is 0
+        (1.5, 1.0, None, 0.5, False),
+    ],
+)
+def test_a_saving_counts_beyond_its_noise_and_the_bar_and_is_undecided_while_its_band_holds_the_bar(
+    saved, noise, recompute, trusted, undecided
+):
+    assert trusted_saving(saved, noise, recompute) == pytest.approx(trusted)
+    assert saving_undecided(saved, noise, recompute) is undecided
+    if not undecided:  # decided means the band lies on one side of the bar: its verdict cannot flip
+        assert (trusted_saving(saved, noise, recompute) > 0) == (saved - noise > MIN_SHARE * (recompute or 0.0))
 
 
 def _called(n: int, tail: int = 0) -> tuple[OpCost, ...]:

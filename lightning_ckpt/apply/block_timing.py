@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from lightning_ckpt.apply.segments import apply_segments
-from lightning_ckpt.planning.timing_fit import BlockTiming
+from lightning_ckpt.planning.timing_fit import BlockTiming, saving_undecided
 from lightning_ckpt.profiling.batch import first_tensor
 from lightning_ckpt.profiling.block_calls import CallSites, hook_calls
 from lightning_ckpt.profiling.rates import TinyOpsBlock, count_op_calls, step_clock
@@ -28,7 +28,8 @@ OpKey = tuple[str, int]
 
 # Timed rounds per distinct block, after one untimed step of each variant. Each round runs the
 # block's forward + backward once per variant (2 to 4), in a rotating order. Rounds go on past
-# MIN_ROUNDS, up to MAX_ROUNDS, while a saving is still within its noise. On the shared 2-core
+# MIN_ROUNDS, up to MAX_ROUNDS, while a saving's noise band holds the bar it must clear to count
+# (`timing_fit.saving_undecided`). On the shared 2-core
 # CPU with three other processes on it, a round's difference of two variants of an HF BERT-48
 # block (30-40 ms each at batch 16) moved by 3-4 ms: its savings of about 1 ms stayed within
 # the noise of 12 rounds (2 s of measuring), and the block planned block-level.
@@ -119,8 +120,9 @@ def measure_block(
 ) -> BlockTiming:
     """Time `block`'s forward + backward checkpointed alone (`apply_segments([block], [(0, 0)])`)
     with nothing kept, with `all_keys` kept, with `draw_keys` kept, with `part_keys` kept and
-    (with `recompute`) not checkpointed, interleaved over `min_rounds` to `max_rounds` rounds (more while a saving is
-    within its noise); each result is the median over rounds of that round's difference.
+    (with `recompute`) not checkpointed, interleaved over `min_rounds` to `max_rounds` rounds (more while
+    a saving's noise band holds the bar it must clear to count, `timing_fit.saving_undecided`: the rounds
+    stop on the rule the savings are read by); each result is the median over rounds of that round's difference.
 
     The block's first tensor argument is a detached copy that requires grad (when floating).
     RNG states, the block's buffers (BatchNorm statistics) and its parameters' `.grad` are as
@@ -189,14 +191,18 @@ def measure_block(
     def diffs(name: str, sign: int = 1) -> list[float]:
         return [sign * (a - b) for a, b in zip(times["none"], times[name])]
 
-    def undecided() -> bool:  # a saving still within its noise: more rounds may tell
-        return any(abs(statistics.median(diffs(n))) <= _median_noise(diffs(n)) for n in ("all", "draws") if n in times)
+    keeping = [n for n in ("all", "draws") if n in times]
+
+    def undecided() -> bool:  # a saving whose noise band holds the bar it must clear: more rounds may tell
+        noise = max(_median_noise(diffs(n)) for n in keeping)  # as `BlockTiming.noise_ms`
+        recompute = statistics.median(diffs("plain")) if "plain" in times else None
+        return any(saving_undecided(statistics.median(diffs(n)), noise, recompute) for n in keeping)
 
     with preserved_state(block), torch.enable_grad():  # RNG streams, buffers and grads put back
         for name in names:  # warm-up: kernels chosen, allocator settled, the kept keys checked
             step(variants[name])
         r = 0
-        while r < min_rounds or (r < max_rounds and undecided()):
+        while r < min_rounds or (r < max_rounds and keeping and undecided()):
             for k in range(len(names)):
                 name = names[(r + k) % len(names)]  # rotating order: a slow moment hits each in turn
                 times[name].append(step(variants[name]))
@@ -207,7 +213,7 @@ def measure_block(
 
     all_ms = saved("all")
     draws_ms = None if not draw_keys else saved("draws") if "draws" in variants else all_ms
-    noise = max((_median_noise(diffs(n)) for n in ("all", "draws") if n in times), default=0.0)
+    noise = max((_median_noise(diffs(n)) for n in keeping), default=0.0)
     recompute_ms = saved("plain") if recompute else None  # "none" over "plain"
     part = tuple(sorted(part_keys)) if "part" in variants else ()
     return BlockTiming(
