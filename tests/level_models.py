@@ -1,6 +1,6 @@
 """Hierarchical models from tiny configs (random weights, no downloads), each as (model, loss, make_batch):
 HF Swin and ConvNeXt (stages of blocks), Funnel (a list of lists), Llava (a CLIP vision tower and a Llama),
-diffusers' UNet2DConditionModel, and HF Reformer (reversible layers, which save nothing). `make_batch(n, seed)` gives a training batch of `n` samples."""
+diffusers' UNet2DConditionModel (two sizes), and HF Reformer (reversible layers, which save nothing). `make_batch(n, seed)` gives a training batch of `n` samples."""
 
 from __future__ import annotations
 
@@ -93,6 +93,26 @@ def tiny_unet_conditional() -> Built:
     return model, lambda b: model(b[0], b[1], encoder_hidden_states=b[2]).sample.square().mean(), batch
 
 
+def small_unet_conditional() -> Built:
+    """diffusers' own test configuration of the conditional U-Net (32 px, channels 32/64, two layers per block,
+    cross-attention over 32-wide states): each attention's `proj_out` runs on a copy while the module's local
+    still holds the transformer block's output."""
+    import diffusers
+
+    torch.manual_seed(0)
+    model = diffusers.UNet2DConditionModel(
+        sample_size=32, in_channels=4, out_channels=4, block_out_channels=(32, 64), layers_per_block=2,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=32,
+    ).train()
+
+    def batch(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(n, 4, 32, 32, generator=g), torch.randint(0, 1000, (n,), generator=g), torch.randn(n, 7, 32, generator=g)
+
+    return model, lambda b: model(b[0], b[1], encoder_hidden_states=b[2]).sample.square().mean(), batch
+
+
 def tiny_reformer() -> Built:
     """Reformer's reversible layers run with autograd off inside their own Function: they save nothing."""
     import transformers
@@ -113,5 +133,5 @@ def tiny_reformer() -> Built:
 
 LEVEL_MODELS = {
     "swin": tiny_swin, "convnext": tiny_convnext, "funnel": tiny_funnel, "llava": tiny_llava,
-    "unet_conditional": tiny_unet_conditional, "reformer": tiny_reformer,
+    "unet_conditional": tiny_unet_conditional, "small_unet_conditional": small_unet_conditional, "reformer": tiny_reformer,
 }

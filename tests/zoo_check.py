@@ -29,6 +29,7 @@ class ZooRow:
     losses_same: bool
     plan: str  # what was checkpointed, in short
     growth_bytes: int  # the last step's measured peak minus the second's (0: nothing kept alive across steps)
+    cost_metric: str = "time"  # what the plan weighed recompute in
 
     @property
     def miss(self) -> float:
@@ -104,5 +105,5 @@ def check(build: Callable[[], object], share: float, batch_size: int = 8, steps:
         measured_bytes=max(peaks), losses_same=all(torch.equal(a, b) for a, b in zip(losses, ref_losses)),
         plan=f"{len(plan.checkpointed)}/{plan.n_blocks} in {len(plan.segments)} seg"
         + (f", {len(plan.inner_segments)} inner" if plan.inner_segments else ""),
-        growth_bytes=peaks[-1] - peaks[1] if len(peaks) > 2 else 0,
+        growth_bytes=peaks[-1] - peaks[1] if len(peaks) > 2 else 0, cost_metric=plan.cost_metric,
     )

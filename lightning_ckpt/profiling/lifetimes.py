@@ -172,6 +172,11 @@ def is_local(ledger: StorageLedger, s: int, n: int, held: int | None = None) -> 
         if not first or block_region(block) != last:
             return False
     died = ledger.died_in[s]
+    if last < block_region(n) and not ledger.args[s] and not ledger.saved_in[s] and (died is None or died >= last):
+        # alive beside the next block's forward without being its input or saved: no field of either
+        # block holds it there (a module that keeps the previous block's output in a local while its
+        # next block runs on a copy, as diffusers' Transformer2DModel does before `proj_out`)
+        return False
     if died is not None:
         return died <= last + 1
     # alive after the forward with nothing saving it: a Python reference holds it (or the probe)
