@@ -144,12 +144,13 @@ class Probe:
             passed.insert(0, first)
         keys = [storage_key(t) for t in passed]
         self.ledger.passed(keys, i)
-        self.ledger.region = block_region(i)
-        self.entry_tick[i] = self.ledger.mark()
         if i > 0:
             # the previous output itself, or an alias of it (ZeRO-3 re-wraps it): see `receives_output`
             self.chains[i] = bool(args) and receives_output(args[0], self.prev_output, self.prev_version)
-        self.prev_output = None  # held no longer than the step holds it: its life is measured
+        # held no longer than the step holds it, its life measured: freed here, it died before this block
+        self.prev_output = None
+        self.ledger.region = block_region(i)
+        self.entry_tick[i] = self.ledger.mark()
         self.current = i
         self.parameters_seen(module)
         self.input_key[i] = keys[0] if first is not None else None
