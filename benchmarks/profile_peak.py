@@ -139,7 +139,7 @@ def run(name: str, model, step_fn, batches, budget: int, blocks: str) -> None:
     print(
         f"{name:6s} budget {budget / MiB:7.1f} MiB | auto_checkpoint {(seen.peak + held) / budget:5.2f}x budget, "
         f"{took:5.1f} s | plan {len(plan.checkpointed)}/{plan.n_blocks} checkpointed, predicted "
-        f"{plan.predicted_peak_bytes / budget:4.2f}x | steps {max(steps) / budget:4.2f}x budget (max of {len(steps)})"
+        f"{plan.predicted_peak_bytes / budget:5.3f}x | steps {max(steps) / budget:5.3f}x budget (max of {len(steps)})"
     )
     handle.remove()
     return losses
