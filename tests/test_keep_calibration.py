@@ -120,18 +120,14 @@ def test_what_is_measured_follows_what_there_is_to_keep():
     assert no_recompute.recompute_ms is None and no_recompute.all_ms is not None
 
 
-def test_rounds_go_on_while_a_saving_is_within_its_noise(monkeypatch):
-    """Injected times (ms) for a step not checkpointed, checkpointed, and keeping: a saving of
-    about 0 ms +- 3 ms in turn runs the rounds to the most allowed; a steady one stops at the fewest,
-    with no noise, and the recompute is the difference of the two checkpointed-or-not times."""
-    block, call = nn.Linear(4, 4), BlockCall((torch.randn(2, 4),), {})
-    key = [("aten.addmm.default", 0)]
-    state = {"variant": "plain", "keeping": []}
+def _variant_telling(state: dict, keeping: str):
+    """`block_timing.apply_segments` that sets `state["variant"]` to what runs: `keeping` (some calls kept),
+    "none" (checkpointed, nothing kept), or "plain" once the plan is taken off."""
     real_apply = block_timing.apply_segments
 
     def apply_segments(blocks, segments, keep_ops=None):
         handle = real_apply(blocks, segments, keep_ops=keep_ops)
-        state["variant"] = "all" if keep_ops else "none"
+        state["variant"] = keeping if keep_ops else "none"
         remove = handle.remove
 
         def removed():
@@ -140,6 +136,18 @@ def test_rounds_go_on_while_a_saving_is_within_its_noise(monkeypatch):
 
         handle.remove = removed
         return handle
+
+    return apply_segments
+
+
+def test_rounds_go_on_while_a_saving_is_within_its_noise(monkeypatch):
+    """Injected times (ms) for a step not checkpointed, checkpointed, and keeping: a saving of
+    about 0 ms +- 3 ms in turn runs the rounds to the most allowed; a steady one stops at the fewest,
+    with no noise, and the recompute is the difference of the two checkpointed-or-not times."""
+    block, call = nn.Linear(4, 4), BlockCall((torch.randn(2, 4),), {})
+    key = [("aten.addmm.default", 0)]
+    state = {"variant": "plain", "keeping": []}
+    apply_segments = _variant_telling(state, "all")
 
     def clock_for(times):
         now, reads = [0.0], [0]
@@ -174,19 +182,7 @@ def _inject_block_times(monkeypatch, recompute_ms: float, saved_ms: float, jitte
     warm-up's is k = 0), keeping any calls `saved_ms` less than that without the jitter. Each
     round's saving is then `saved_ms` + its jitter, and its recompute `recompute_ms` + the same."""
     state = {"variant": "plain", "none_steps": 0, "reads": 0, "now": 0.0}
-    real_apply = block_timing.apply_segments
-
-    def apply_segments(blocks, segments, keep_ops=None):
-        handle = real_apply(blocks, segments, keep_ops=keep_ops)
-        state["variant"] = "keep" if keep_ops else "none"
-        remove = handle.remove
-
-        def removed():
-            state["variant"] = "plain"
-            remove()
-
-        handle.remove = removed
-        return handle
+    apply_segments = _variant_telling(state, "keep")
 
     def clock():
         state["reads"] += 1
