@@ -340,7 +340,7 @@ def variable_lengths(s: Setup, lengths: list[int], budget: int, longest_plan: Pl
     t_timing = time.perf_counter() - t0
 
     cb = shape_cbs[0]
-    spent = [(c._shapes.profile_s, c._shapes.plan_s) for c in shape_cbs]  # per round, before any reuse
+    spent = [(c.engine._shapes.profile_s, c.engine._shapes.plan_s) for c in shape_cbs]  # per round, before any reuse
     decisions = list(cb.engine._shapes.plans.values())
     first_plans = dict(cb.plans)
     # per-shape's peak run reuses the last round's callback (a second fit, on a new model, profiles and
