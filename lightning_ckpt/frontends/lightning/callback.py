@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
@@ -180,6 +181,11 @@ class ActivationCheckpointing(Callback):
             self._planned_in_fit = True
             self._announce(trainer, decision, first)
         self._start_measuring(trainer, pl_module, batch, batch_idx)
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self._bound and self.engine is not None:  # are the gradients alive through this backward?
+            self.engine.driver.observe_backward(pl_module)
 
     @override
     def on_train_batch_end(

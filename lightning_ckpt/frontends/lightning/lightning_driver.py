@@ -13,6 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_ckpt.apply.segments import AppliedPlan
 from lightning_ckpt.frontends.lightning import compiled
+from lightning_ckpt.frontends.lightning.backward_grads import BackwardGrads
 from lightning_ckpt.frontends.lightning.profile_step import calls_of_first_batch, chain_of_first_batch, profile_first_batch
 from lightning_ckpt.frontends.lightning.strategy_hooks import strategy_static_memory
 from lightning_ckpt.costs.linear_fit import Profile
@@ -30,6 +31,8 @@ class LightningDriver:
 
     def __init__(self, trainer: pl.Trainer) -> None:
         self._trainer = weakref.ref(trainer)
+        module = trainer.lightning_module
+        self.backward_grads = None if module is None else BackwardGrads(module)
 
     @property
     def trainer(self) -> pl.Trainer:
@@ -47,7 +50,22 @@ class LightningDriver:
 
     @property
     def grads_accumulate(self) -> bool:
-        return self.trainer.accumulate_grad_batches > 1
+        """Every gradient alive through the step: accumulation, or a module seen (or assumed) to keep them
+        (`backward_grads`)."""
+        kept = self.backward_grads is not None and self.backward_grads.state
+        return self.trainer.accumulate_grad_batches > 1 or kept
+
+    @property
+    def grads_reason(self) -> str | None:
+        """What changed the gradients the plans count, for the message (`engine.step_grads.follow`)."""
+        if self.trainer.accumulate_grad_batches > 1 or self.backward_grads is None or self.backward_grads.kept is None:
+            return None
+        return self.backward_grads.describe()
+
+    def observe_backward(self, pl_module: pl.LightningModule) -> None:
+        """Read the gradients at a backward's start (not under accumulation, where they are kept anyway)."""
+        if self.backward_grads is not None and self.trainer.accumulate_grad_batches == 1:
+            self.backward_grads.observe([p for p in pl_module.parameters() if p.requires_grad])
 
     @property
     def grads_live_in_forward(self) -> bool:
