@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 from models import MLPBlock, TinyChain, tokens_batch
+from storage_oracle import LiveStorages
 from torch import nn
 
 import lightning_ckpt.apply.block_timing as block_timing
@@ -303,7 +304,7 @@ def test_blocks_with_equal_calls_share_one_measurement(monkeypatch):
     batch = tokens_batch(batch=4, seq=5)
     seen = []
 
-    def fake(block, call, all_keys=(), draw_keys=(), min_rounds=1, max_rounds=1, recompute=True, part_keys=()):
+    def fake(block, call, all_keys=(), draw_keys=(), min_rounds=1, max_rounds=1, recompute=True, part_keys=(), limit_bytes=None):
         seen.append((block, bool(all_keys)))
         return BlockTiming(all_ms=2.0 if all_keys else None, draws_ms=1.0 if draw_keys else None, recompute_ms=3.0)
 
@@ -500,3 +501,39 @@ def test_an_estimate_that_loses_is_not_raised_by_a_saving_measurement():
     measured = _block(keep_saved_ms=1.0, keep_draws_saved_ms=None)
     assert keep_calibration(measured, every, slow) == 1.0
     assert block_options(measured, "time", slow) == block_options(plain, "time", slow)
+
+
+# ----------------------------------------------------------------------------- within the budget
+
+
+def _calibrated_within(limit_bytes):
+    """The calibration of a 3-block chain at batch 16 under `storage_oracle.LiveStorages`: (profile, peak)."""
+    torch.manual_seed(0)
+    model = TinyChain(n_blocks=3, d=64, p=0.1)
+    batch = tokens_batch(batch=16, seq=32)
+    blocks, loss = list(model.blocks), _chain_loss(model)
+    profile = profile_model(model, blocks, loss, batch, (2, 4), None, calibrate_keeps=False)
+    with LiveStorages() as oracle:
+        got = calibration.calibrated_profile(profile, model, blocks, loss, batch, 1, 1, limit_bytes=limit_bytes)
+    return got, oracle.peak
+
+
+def test_the_calibration_holds_no_more_than_the_room_it_is_given(monkeypatch):
+    monkeypatch.setenv("LIGHTNING_CKPT_CACHE_DIR", "off")
+    free, need = _calibrated_within(None)
+    assert all(b.keep_saved_ms is not None for b in free.at(16).blocks)
+    within, peak = _calibrated_within(need)  # room for all of it: measured, as without a limit
+    assert peak <= need and all(b.keep_saved_ms is not None for b in within.at(16).blocks)
+    with pytest.warns(UserWarning, match=r"keep calibration was stopped: block .* at batch 16 would hold more"):
+        stopped, peak = _calibrated_within(need // 2)
+    # stopped by the op whose new storage takes it over, as an allocator stops: at most that storage above,
+    # the largest of a block's step being its hidden activation (16 x 32 x 256 floats)
+    assert need // 2 < peak <= need // 2 + 16 * 32 * 256 * 4, (peak, need)
+    assert all(b.keep_saved_ms is None for b in stopped.at(16).blocks)
+
+
+def test_a_calibration_stopped_by_its_room_is_not_kept(monkeypatch, tmp_path):
+    monkeypatch.setenv("LIGHTNING_CKPT_CACHE_DIR", str(tmp_path))
+    with pytest.warns(UserWarning, match="keep calibration was stopped"):
+        _calibrated_within(1)
+    assert not (tmp_path / "keep_calibration.json").exists() or '"timings"' not in (tmp_path / "keep_calibration.json").read_text()

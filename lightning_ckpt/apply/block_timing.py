@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ from lightning_ckpt.profiling.batch import first_tensor
 from lightning_ckpt.profiling.block_calls import CallSites, hook_calls
 from lightning_ckpt.profiling.rates import TinyOpsBlock, count_op_calls, step_clock
 from lightning_ckpt.profiling.state import preserved_state
+from lightning_ckpt.profiling.tracker import LiveBytesTracker, storage_bytes
 
 OpKey = tuple[str, int]
 
@@ -92,6 +93,19 @@ def capture_block_calls(
     return found
 
 
+@contextlib.contextmanager
+def bounded(limit_bytes: int | None) -> Iterator[None]:
+    """Run under a live-bytes tracker that stops the op taking what it holds over `limit_bytes`
+    (`LiveBytesOverLimit`); nothing with None. A limit below zero stops at the first new storage."""
+    if limit_bytes is None:
+        yield
+        return
+    tracker = LiveBytesTracker()
+    tracker.limit_bytes = max(0, limit_bytes)
+    with tracker:
+        yield
+
+
 def _synchronizer(device: torch.device | None) -> Callable[[], None]:
     if device is None or device.type != "cuda":
         return lambda: None
@@ -117,6 +131,7 @@ def measure_block(
     max_rounds: int = MAX_ROUNDS,
     recompute: bool = True,
     part_keys: Collection[OpKey] = (),
+    limit_bytes: int | None = None,
 ) -> BlockTiming:
     """Time `block`'s forward + backward checkpointed alone (`apply_segments([block], [(0, 0)])`)
     with nothing kept, with `all_keys` kept, with `draw_keys` kept, with `part_keys` kept and
@@ -126,7 +141,9 @@ def measure_block(
 
     The block's first tensor argument is a detached copy that requires grad (when floating).
     RNG states, the block's buffers (BatchNorm statistics) and its parameters' `.grad` are as
-    they were afterwards."""
+    they were afterwards. With `limit_bytes`, the warm-up step of every variant runs under a live-bytes
+    tracker that stops it (`LiveBytesOverLimit`, before any timed round) where it, with that copy, would
+    hold more than `limit_bytes` beyond what existed before: the timed rounds hold what the warm-up did."""
     if min_rounds < 1 or max_rounds < min_rounds:
         raise ValueError(
             f"min_rounds={min_rounds}, max_rounds={max_rounds}: need 1 <= min_rounds <= max_rounds; each "
@@ -161,6 +178,7 @@ def measure_block(
 
     args = tuple(fresh(a) for a in call.args)
     kwargs = {k: fresh(v) for k, v in call.kwargs.items()}
+    copied = 0 if x is None else storage_bytes(x)
 
     def step(keep: dict[int, frozenset[OpKey]] | None) -> float:
         handle = None if keep is None else apply_segments([block], [(0, 0)], keep_ops=keep or None)
@@ -199,8 +217,9 @@ def measure_block(
         return any(saving_undecided(statistics.median(diffs(n)), noise, recompute) for n in keeping)
 
     with preserved_state(block), torch.enable_grad():  # RNG streams, buffers and grads put back
-        for name in names:  # warm-up: kernels chosen, allocator settled, the kept keys checked
-            step(variants[name])
+        with bounded(None if limit_bytes is None else limit_bytes - copied):
+            for name in names:  # warm-up: kernels chosen, allocator settled, the kept keys checked
+                step(variants[name])
         r = 0
         while r < min_rounds or (r < max_rounds and keeping and undecided()):
             for k in range(len(names)):

@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import math
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ from lightning_ckpt.apply.block_timing import (
     MIN_ROUNDS,
     BlockCall,
     autocast_now,
+    bounded,
     capture_block_calls,
     measure_block,
     measure_keep_overheads,
@@ -41,7 +43,10 @@ from lightning_ckpt.planning.timing_fit import BlockTiming, fit_keep_ops_op_s, f
 from lightning_ckpt.profiling.batch import batch_size_of
 from lightning_ckpt.profiling.measured_cache import kept, machine_key
 from lightning_ckpt.profiling.rates import check_rates_dict
+from lightning_ckpt.profiling.profile_budget import released
 from lightning_ckpt.profiling.state import preserved_state
+from lightning_ckpt.profiling.tracker import LiveBytesOverLimit, flat_tensors, unique_storage_bytes
+from lightning_ckpt.units import format_bytes
 
 __all__ = [
     "BlockCall",
@@ -74,6 +79,8 @@ def measure_step_blocks(
     min_rounds: int = MIN_ROUNDS,
     max_rounds: int = MAX_ROUNDS,
     rates: MachineRates | None = None,
+    limit_bytes: int | None = None,
+    left_out: list[str] | None = None,
 ) -> dict[int, BlockTiming]:
     """{block index: its `BlockTiming`} for the blocks of `cost` (the step `step_fn(batch)`, at
     `batch`'s size) that have calls to keep. With `rates`, their recompute is timed too, and a
@@ -84,7 +91,12 @@ def measure_step_blocks(
     measurement, of the first of them. The model's state is left as found.
 
     Sharded blocks (ZeRO-3, FSDP2) are not measured: a block's backward run alone would start
-    collectives that the other ranks do not expect at that moment."""
+    collectives that the other ranks do not expect at that moment.
+
+    With `limit_bytes` (what the memory budget leaves beyond what stays resident), the forward that
+    captures the blocks' arguments and each block's warm-up run under a tracker with that limit
+    (`block_timing.bounded`): a block whose run would hold more, with the arguments kept, is not
+    measured (one warning names it, `left_out` gets its name) and is left out, as an unmeasured block is."""
     groups: dict[tuple, list[int]] = {}
     for i, blk in enumerate(cost.blocks):
         if blk.ops:
@@ -100,7 +112,16 @@ def measure_step_blocks(
     firsts = [groups[ops][0] for ops in wanted]
     found: dict[int, BlockTiming] = {}
     with preserved_state(model):
-        calls = capture_block_calls(blocks, firsts, step_fn, batch)
+        try:
+            with bounded(limit_bytes):
+                calls = capture_block_calls(blocks, firsts, step_fn, batch)
+        except LiveBytesOverLimit:
+            released()
+            _over_limit(cost, "the forward that captures the blocks' arguments", limit_bytes)
+            if left_out is not None:
+                left_out.extend(cost.blocks[i].name for i in firsts)
+            return {}
+        held = unique_storage_bytes(t for c in calls.values() for t in flat_tensors((c.args, c.kwargs)))
         for i in firsts:
             if i not in calls:  # skipped by this forward (it ran in the probes): left unmeasured
                 continue
@@ -108,10 +129,28 @@ def measure_step_blocks(
             keys = [op.key for op in items]
             draws = [op.key for op in items if op.rng_bytes > 0]
             part = lighter_choice(cost.blocks[i], rates) if recompute else ()
-            timing = measure_block(blocks[i], calls[i], keys, draws, min_rounds, max_rounds, recompute, part)
+            limit = None if limit_bytes is None else limit_bytes - held
+            try:
+                timing = measure_block(blocks[i], calls[i], keys, draws, min_rounds, max_rounds, recompute, part, limit)
+            except LiveBytesOverLimit:
+                released()
+                _over_limit(cost, f"block {cost.blocks[i].name} run alone", limit_bytes)
+                if left_out is not None:
+                    left_out.append(cost.blocks[i].name)
+                continue
             for j in groups[cost.blocks[i].ops]:
                 found[j] = timing
     return found
+
+
+def _over_limit(cost: StepCost, what: str, limit_bytes: int | None) -> None:
+    warnings.warn(
+        f"lightning-ckpt: the keep calibration was stopped: {what} at batch {cost.batch_size} would hold more than "
+        f"the {format_bytes(max(0, limit_bytes or 0))} the memory budget leaves it, so what keeping its op outputs "
+        "saves is not measured there; op-level plans value it by counted work (raise memory_budget to measure it, "
+        "or plan with granularity='block').",
+        stacklevel=4,
+    )
 
 
 def lighter_choice(block: BlockCost, rates: MachineRates) -> tuple[OpKey, ...]:
@@ -198,6 +237,7 @@ def calibrated_profile(
     min_rounds: int = MIN_ROUNDS,
     max_rounds: int = MAX_ROUNDS,
     fit_rates: bool = True,
+    limit_bytes: int | None = None,
 ) -> Profile:
     """`profile` with what keeping saves and what recomputing costs, measured on the whole
     `batch` and put into every probe.
@@ -212,7 +252,8 @@ def calibrated_profile(
     fits to the measured blocks (`planning.timing_fit`). Each probe's
     `meta["keep_calibration_s"]` says how long the measurement took. What was measured is kept
     between runs (`profiling.measured_cache`) for the same machine, blocks (their counted work),
-    batch size, autocast and rates: a later run plans from the same numbers."""
+    batch size, autocast and rates: a later run plans from the same numbers. With `limit_bytes`, every pass
+    stays within it (`measure_step_blocks`); a calibration with blocks left out for it is not kept."""
     t0 = time.perf_counter()
     n = batch_size_of(batch)
     cost = profile.at(n)
@@ -223,7 +264,10 @@ def calibrated_profile(
         if rates is not None:  # the keeping modes' costs first: the lighter choice is made with them
             draws_s, ops_s = measure_keep_overheads(torch.device(rates.device))
             rates = dataclasses.replace(rates, keep_draws_op_s=draws_s, keep_ops_op_s=ops_s)
-        timings = measure_step_blocks(cost, model, blocks, step_fn, batch, min_rounds, max_rounds, rates)
+        left_out: list[str] = []
+        timings = measure_step_blocks(
+            cost, model, blocks, step_fn, batch, min_rounds, max_rounds, rates, limit_bytes, left_out
+        )
         if timings and rates is not None:
             calls_s, keep_s = fit_op_call_s(cost, timings, rates), fit_keep_ops_op_s(cost, timings, rates)
             rates = dataclasses.replace(
@@ -231,10 +275,11 @@ def calibrated_profile(
                 op_call_s=rates.op_call_s if calls_s is None else calls_s,
                 keep_ops_op_s=rates.keep_ops_op_s if keep_s is None else keep_s,
             )
-        return {
+        found = {
             "timings": {str(i): dataclasses.asdict(t) for i, t in timings.items()},
             "rates": None if rates is None else rates.to_dict(),
         }
+        return {**found, "left_out": left_out} if left_out else found  # (not a calibration to keep)
 
     key = _calibration_key(cost, model, blocks, base, min_rounds, max_rounds)
     found = kept("keep_calibration", key, measure, check=_check_calibration) if key is not None else measure()

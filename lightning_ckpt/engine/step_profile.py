@@ -28,7 +28,7 @@ def profile_model(
 
     With `timing` and `calibrate_keeps`, each distinct block with op calls to keep is then timed
     alone on the whole `batch`, keeping them and not (`apply.keep_calibration`, a few block steps
-    each): only op-level plans read it. Rates given in `rates` stay as given; measured ones are
+    each, within what `budget` leaves): only op-level plans read it. Rates given in `rates` stay as given; measured ones are
     fitted to the measured recompute.
     """
     bound = inspect.signature(measure_profile).bind(model, blocks, step_fn, batch, *args, **kwargs)
@@ -36,7 +36,11 @@ def profile_model(
     with layers_always_run(model):  # LayerDrop: the step in which every block runs, the largest
         profile = measure_profile(*bound.args, **bound.kwargs)
         if bound.arguments["timing"] and calibrate_keeps:  # after the rates: fitted to the measured recompute
-            profile = calibrated_profile(profile, model, blocks, step_fn, batch, fit_rates=bound.arguments["rates"] is None)
+            budget = bound.arguments["budget"]  # within what the budget leaves beside what stays resident
+            limit = None if budget is None else budget.room_for(model, batch).room_bytes
+            profile = calibrated_profile(
+                profile, model, blocks, step_fn, batch, fit_rates=bound.arguments["rates"] is None, limit_bytes=limit
+            )
     return profile
 
 
