@@ -179,13 +179,19 @@ def worker(model: str, steps: int, tune_allocator: str, report: bool, callback: 
     ckpt = lightning_ckpt.ActivationCheckpointing(**init)
     times: dict[str, Any] = {"batch_start": [], "batch_end": [], "cpu_start": [], "cpu_end": []}
 
+    profiler = _profiler(top)
+
     class Start(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             times["batch_start"].append(time.perf_counter())
             times["cpu_start"].append(time.process_time())
+            if profiler is not None and len(times["batch_start"]) == 1:
+                profiler.enable()
 
     class End(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if profiler is not None and len(times["batch_end"]) == 0:
+                profiler.disable()
             times["cpu_end"].append(time.process_time())
             times["batch_end"].append(time.perf_counter())
 
@@ -213,7 +219,27 @@ def worker(model: str, steps: int, tune_allocator: str, report: bool, callback: 
         "checkpointed": None if plan is None else len(plan.checkpointed),
         "segments": None if plan is None else len(plan.segments),
         "inner": None if plan is None else len(plan.inner_segments),
+        "profile_top": _top(profiler, top),
     }
+
+
+def _profiler(top: int):
+    """A cProfile profiler on process CPU time when `top` functions are asked for, else None."""
+    import cProfile
+
+    return cProfile.Profile(time.process_time) if top else None
+
+
+def _top(profiler, top: int) -> str:
+    """The `top` costliest functions `profiler` saw, by cumulative CPU time ("" without one)."""
+    if profiler is None:
+        return ""
+    import io
+    import pstats
+
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(top)
+    return out.getvalue()
 
 
 def _hf_model(model: str):
@@ -268,9 +294,6 @@ def _plain_budget(model: str) -> int:
 
 def plain_worker(model: str, steps: int, top: int) -> dict:
     """One of `PLAIN_MODELS` in a plain loop: `auto_checkpoint` and the first step timed as the first batch."""
-    import cProfile
-    import io
-    import pstats
     import warnings
 
     import torch
@@ -287,7 +310,7 @@ def plain_worker(model: str, steps: int, top: int) -> dict:
     clock = PhaseClock()
     install(clock)
     wall, cpu, handle, said = [], [], None, []
-    profiler = cProfile.Profile(time.process_time) if top else None
+    profiler = _profiler(top)
     for i in range(steps):
         t0, c0 = time.perf_counter(), time.process_time()
         if i == 0 and profiler is not None:
@@ -303,11 +326,6 @@ def plain_worker(model: str, steps: int, top: int) -> dict:
             profiler.disable()
         wall.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
-    text = ""
-    if profiler is not None:
-        out = io.StringIO()
-        pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(top)
-        text = out.getvalue()
     plan = handle.plan
     handle.remove()
     return {
@@ -315,7 +333,7 @@ def plain_worker(model: str, steps: int, top: int) -> dict:
         "steps_s": wall, "first_cpu_s": cpu[0], "steady_cpu_s": statistics.median(cpu[2:]), "phases": clock.totals,
         "calls": clock.calls, "json_bytes": None, "checkpointed": len(plan.checkpointed), "segments": len(plan.segments),
         "inner": len(plan.inner_segments), "blocks": plan.n_blocks, "said": [s for s in said if "planning over" in s],
-        "profile_top": text,
+        "profile_top": _top(profiler, top),
     }
 
 
