@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/startup.py                     # both examples, about 1.5 min here
     OMP_NUM_THREADS=1 python benchmarks/startup.py --models encoder --rounds 2 --baseline
+    OMP_NUM_THREADS=1 python benchmarks/startup.py --models swin convnext llama-long --timings first --cprofile 25
 
 Each run is a fresh process that builds the example from its config (configs/encoder48.yaml,
 configs/cnn.yaml) through the example's LightningCLI, with validation off, a CSV logger under a
@@ -30,6 +31,15 @@ Each callback run is done twice: "first run" with an empty folder of kept timing
 run on a machine does, and "timings kept" reading the folder one untimed run filled, as every
 later run on the machine does (`--timings first|kept|both`).
 
+`swin`, `convnext` and `llama-long` run a plain loop around `auto_checkpoint` instead
+(`PLAIN_MODELS`): HF Swin (224 px, embed 48, depths 2/2/6/2, batch 8) and HF ConvNeXt (hidden 48/96/192/384,
+224 px, batch 12) from config with `blocks=None` and a budget 0.3 of the way from the `full` plan's predicted
+peak to the unplanned one's; HF Llama (8 layers, hidden 128, 4 heads, attention dropout 0.1) at (1, 2048) over
+`model.layers` with a budget 10 % above the `full` plan's measured peak (`profile_peak._full_peak`). Their first
+batch is `auto_checkpoint` plus the first `handle.step` and step; "fit -> first batch" is 0. Lengths that grow
+during training: `benchmarks/profile_peak.py --cases grow` prints the library's share of the run.
+`--cprofile N` also prints the first batch's N costliest functions in process CPU time (cumulative).
+
 "first batch" is the wall time from the first training batch's start hook (before the callback's)
 to its end hook (after the callback's); "steady" the median of the batches after the second;
 "overhead" = first batch - steady, in steps ("in CPU time": the same ratio in process CPU time,
@@ -55,12 +65,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 
 CONFIGS = {"encoder": ROOT / "configs" / "encoder48.yaml", "cnn": ROOT / "configs" / "cnn.yaml"}
-DEFAULT_STEPS = {"encoder": 5, "cnn": 12}
+DEFAULT_STEPS = {"encoder": 5, "cnn": 12, "swin": 5, "convnext": 5, "llama-long": 4}
 # A worker process takes seconds to a few minutes; one still running after an hour hangs.
 WORKER_TIMEOUT_S = 3600
-PHASES = ("probes", "block timing", "no-save fwd", "rates", "calibration", "planning", "applying", "report")
+PLAIN_MODELS = ("swin", "convnext", "llama-long")
+PHASES = ("discovery", "probes", "block timing", "no-save fwd", "rates", "calibration", "planning", "applying", "report")
 # (module, attribute, phase); a phase marked sticky takes everything that runs inside it
 PATCHES = (
+    ("lightning_ckpt.profiling.discovery", "discover_chain", "discovery"),
     ("lightning_ckpt.profiling.profiler", "probe_step", "probes"),
     ("lightning_ckpt.profiling.profiler", "_time_blocks", "block timing"),
     ("lightning_ckpt.profiling.profiler", "_nosave_forward_peaks", "no-save fwd"),
@@ -139,7 +151,7 @@ def install(clock: PhaseClock) -> None:
                         setattr(mod, key, timed)
 
 
-def worker(model: str, steps: int, tune_allocator: str, report: bool, callback: bool = True) -> dict:
+def worker(model: str, steps: int, tune_allocator: str, report: bool, callback: bool = True, top: int = 0) -> dict:
     import lightning.pytorch as pl
     import torch
     import yaml
@@ -167,13 +179,19 @@ def worker(model: str, steps: int, tune_allocator: str, report: bool, callback: 
     ckpt = lightning_ckpt.ActivationCheckpointing(**init)
     times: dict[str, Any] = {"batch_start": [], "batch_end": [], "cpu_start": [], "cpu_end": []}
 
+    profiler = _profiler(top)
+
     class Start(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             times["batch_start"].append(time.perf_counter())
             times["cpu_start"].append(time.process_time())
+            if profiler is not None and len(times["batch_start"]) == 1:
+                profiler.enable()
 
     class End(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if profiler is not None and len(times["batch_end"]) == 0:
+                profiler.disable()
             times["cpu_end"].append(time.process_time())
             times["batch_end"].append(time.perf_counter())
 
@@ -201,13 +219,132 @@ def worker(model: str, steps: int, tune_allocator: str, report: bool, callback: 
         "checkpointed": None if plan is None else len(plan.checkpointed),
         "segments": None if plan is None else len(plan.segments),
         "inner": None if plan is None else len(plan.inner_segments),
+        "profile_top": _top(profiler, top),
     }
 
 
-def _run(model: str, steps: int, tune_allocator: str, report: bool, callback: bool = True, kept_in: str | None = None) -> dict:
+def _profiler(top: int):
+    """A cProfile profiler on process CPU time when `top` functions are asked for, else None."""
+    import cProfile
+
+    return cProfile.Profile(time.process_time) if top else None
+
+
+def _top(profiler, top: int) -> str:
+    """The `top` costliest functions `profiler` saw, by cumulative CPU time ("" without one)."""
+    if profiler is None:
+        return ""
+    import io
+    import pstats
+
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(top)
+    return out.getvalue()
+
+
+def _hf_model(model: str):
+    """(fresh model, batch, loss of a batch, blocks) of one of `PLAIN_MODELS`, seeded."""
+    import transformers
+
+    torch = __import__("torch")
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    if model == "llama-long":
+        from profile_peak import _llama
+
+        ids = torch.randint(0, 96, (1, 2048), generator=g)
+        built = _llama().train()
+        return built, {"input_ids": ids, "labels": ids.clone()}, lambda b: built(**b).loss, "model.layers"
+    if model == "swin":
+        built = transformers.SwinForImageClassification(
+            transformers.SwinConfig(image_size=224, embed_dim=48, depths=[2, 2, 6, 2], num_labels=10))
+        size = 8
+    else:
+        built = transformers.ConvNextForImageClassification(
+            transformers.ConvNextConfig(hidden_sizes=[48, 96, 192, 384], image_size=224, num_labels=10))
+        size = 12
+    built.train()
+    batch = {"pixel_values": torch.randn(size, 3, 224, 224, generator=g), "labels": torch.randint(0, 10, (size,), generator=g)}
+    return built, batch, lambda b: built(**b).loss, None
+
+
+def _plain_budget(model: str) -> int:
+    """The case's budget (see the module docstring), from a model of its own."""
+    import torch
+
+    from lightning_ckpt import make_plan
+    from lightning_ckpt.engine.step_profile import profile_model
+    from lightning_ckpt.engine.target_plan import cost_at
+    from lightning_ckpt.profiling.batch import batch_size_of
+    from lightning_ckpt.profiling.discovery import discover_chain
+    from lightning_ckpt.profiling.static_memory import static_memory
+
+    built, batch, loss, _ = _hf_model(model)
+    if model == "llama-long":
+        from profile_peak import _full_peak, _held
+
+        return int(1.1 * (_full_peak(built, list(built.model.layers), loss, batch) + _held(built, batch)))
+    choice = discover_chain(built, loss, batch)
+    profile = profile_model(built, list(choice.modules), loss, batch, names=list(choice.names), timing=False)
+    opt = torch.optim.AdamW(built.parameters(), lr=1e-3)
+    cost = cost_at(profile, batch_size_of(batch), static_memory(built, [opt]))
+    full, none = (make_plan(cost, p).predicted_peak_bytes for p in ("full", "none"))
+    return int(full + 0.3 * (none - full))
+
+
+def plain_worker(model: str, steps: int, top: int) -> dict:
+    """One of `PLAIN_MODELS` in a plain loop: `auto_checkpoint` and the first step timed as the first batch."""
+    import warnings
+
+    import torch
+
+    from lightning_ckpt import auto_checkpoint
+
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "tests"))
+    budget = _plain_budget(model)
+    built, batch, loss, blocks = _hf_model(model)
+    opt = torch.optim.AdamW(built.parameters(), lr=1e-3)
+    clock = PhaseClock()
+    install(clock)
+    wall, cpu, handle, said = [], [], None, []
+    profiler = _profiler(top)
+    for i in range(steps):
+        t0, c0 = time.perf_counter(), time.process_time()
+        if i == 0 and profiler is not None:
+            profiler.enable()
+        if handle is None:
+            handle = auto_checkpoint(built, budget, example_batch=batch, step_fn=loss, optimizer=opt, blocks=blocks,
+                                     verbose=False, info=said.append)
+        handle.step(batch)
+        loss(batch).backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 0 and profiler is not None:
+            profiler.disable()
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    plan = handle.plan
+    handle.remove()
+    return {
+        "model": model, "fit_to_first_s": 0.0, "first_s": wall[0], "steady_s": statistics.median(wall[2:]),
+        "steps_s": wall, "first_cpu_s": cpu[0], "steady_cpu_s": statistics.median(cpu[2:]), "phases": clock.totals,
+        "calls": clock.calls, "json_bytes": None, "checkpointed": len(plan.checkpointed), "segments": len(plan.segments),
+        "inner": len(plan.inner_segments), "blocks": plan.n_blocks, "said": [s for s in said if "planning over" in s],
+        "profile_top": _top(profiler, top),
+    }
+
+
+def _run(model: str, steps: int, tune_allocator: str, report: bool, callback: bool = True, kept_in: str | None = None,
+         top: int = 0) -> dict:
     """One fresh process. `kept_in`: the folder of kept timings it reads (None: a new empty one, so
     it measures the rates and the calibration as a first run on a machine does)."""
-    cmd = [sys.executable, __file__, "--worker", json.dumps([model, steps, tune_allocator, report, callback])]
+    if model in PLAIN_MODELS:
+        cmd = [sys.executable, __file__, "--plain-worker", json.dumps([model, steps, top])]
+    else:
+        cmd = [sys.executable, __file__, "--worker", json.dumps([model, steps, tune_allocator, report, callback, top])]
     with tempfile.TemporaryDirectory(prefix="lckpt-startup-timings-") as empty:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "LIGHTNING_CKPT_CACHE_DIR": kept_in or empty}
         env.pop("LIGHTNING_CKPT_REMEASURE", None)
@@ -238,7 +375,7 @@ def _row(r: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["encoder", "cnn"], choices=sorted(CONFIGS))
+    ap.add_argument("--models", nargs="+", default=["encoder", "cnn"], choices=[*sorted(CONFIGS), *PLAIN_MODELS])
     ap.add_argument("--rounds", type=int, default=1, help="fresh processes per model, interleaved")
     ap.add_argument("--steps", type=int, default=None, help="training steps per run (default: encoder 5, cnn 12)")
     ap.add_argument("--tune-allocator", choices=["default", "true", "false"], default="false")
@@ -250,10 +387,16 @@ def main() -> int:
         "first run on a machine does; kept: they are read from a folder one untimed run filled, as later runs do",
     )
     ap.add_argument("--json", help="also write every run's figures to this file")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="the first batch's N costliest functions in process CPU time (cProfile; slows the batch)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--plain-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(*json.loads(args.worker))))
+        return 0
+    if args.plain_worker:
+        print(json.dumps(plain_worker(*json.loads(args.plain_worker))))
         return 0
     import torch
 
@@ -263,15 +406,15 @@ def main() -> int:
     kept = tempfile.mkdtemp(prefix="lckpt-startup-kept-")
     if args.timings != "first":
         for model in args.models:  # untimed: fills the folder the "timings kept" runs read
-            _run(model, args.steps or DEFAULT_STEPS[model], args.tune_allocator, report, kept_in=kept)
+            _run(model, args.steps or DEFAULT_STEPS[model], args.tune_allocator, report, kept_in=kept, top=0)
     for _ in range(args.rounds):
         for model in args.models:
             steps = args.steps or DEFAULT_STEPS[model]
             if args.timings != "kept":
-                runs.append(_run(model, steps, args.tune_allocator, report))
+                runs.append(_run(model, steps, args.tune_allocator, report, top=args.cprofile))
             if args.timings != "first":
-                runs.append(_run(model, steps, args.tune_allocator, report, kept_in=kept))
-            if args.baseline:
+                runs.append(_run(model, steps, args.tune_allocator, report, kept_in=kept, top=args.cprofile))
+            if args.baseline and model not in PLAIN_MODELS:
                 runs.append(_run(model, steps, args.tune_allocator, report, callback=False))
     print(
         f"lightning-ckpt startup benchmark: torch {torch.__version__}, OMP_NUM_THREADS=1, {os.cpu_count()} cores, "
@@ -291,6 +434,10 @@ def main() -> int:
         calls = ", ".join(f"{k} {v}" for k, v in sorted(r["calls"].items()))
         print(f"\n{r['model']}: plan {r['checkpointed']} checkpointed in {r['segments']} segments "
               f"({r['inner']} inner); calls: {calls}")
+        for line in r.get("said", []):
+            print(f"  {line}")
+        if r.get("profile_top"):
+            print(r["profile_top"])
     print(f"\n(total wall time {time.time() - started:.0f} s)")
     if args.json:
         Path(args.json).write_text(json.dumps(runs, indent=1))

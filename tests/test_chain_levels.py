@@ -4,7 +4,8 @@ Swin, ConvNeXt, Funnel, Llava and a conditional U-Net train within the budget, b
 loop without the library; the choice is said in one line. Plans use the default `cost_metric="time"` with
 fixed machine rates (no choice rests on a timing of this run). diffusers' own test U-Net at a tight budget:
 every step within it and predicted within 1 %, by a count of live storages of the test's own
-(`storage_oracle`). `pick_chain` on hand-made plans."""
+(`storage_oracle`). `pick_chain` on hand-made plans, a coarser cut of a finer chain left unplanned while
+the finer one fits."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from storage_oracle import LiveStorages, step_state
 import lightning_ckpt.profiling.rates as rates_module
 from lightning_ckpt import auto_checkpoint, make_plan
 from lightning_ckpt.costs.machine_rates import MachineRates
-from lightning_ckpt.engine.chain_levels import contenders, pick_chain, plan_score
+from lightning_ckpt.engine.chain_levels import coarser_cut, contenders, pick_chain, plan_score
 from lightning_ckpt.engine.step_profile import profile_model
 from lightning_ckpt.engine.target_plan import cost_at
 from lightning_ckpt.planning.policies import InfeasibleBudgetError
@@ -69,9 +70,9 @@ def test_blocks_none_plans_the_level_that_recomputes_least_within_budget(fixed_r
     if len(found) > 1:  # several levels planned: one line names the chosen and what the others cost
         assert len(chose) == 1 and all(c.level in chose[0] for c in found)
     assert tuple(names) in {c.names for c in found}
-    if name == "unet_conditional":  # the budget its five top-level blocks cannot meet, and finer chains can
+    if name == "unet_conditional":  # its five top-level blocks are runs of the finest chain's: not planned
         top = next(c for c in found if len(c.names) == 5)
-        assert f"{top.level} (5 blocks, down_blocks.0..up_blocks.1) cannot fit batch {BATCH}" in chose[0]
+        assert f"{top.level} (5 blocks, down_blocks.0..up_blocks.1) is not planned" in chose[0]
         assert len(names) > 5
     assert plan.fits and plan.checkpointed and max(peaks) <= budget
     assert all(torch.equal(a, b) for a, b in zip(losses, reference))
@@ -153,6 +154,48 @@ def test_pick_chain_plans_the_contenders_and_takes_the_least_recompute():
     assert index == 0 and "stages (1 blocks, stages..stages) cannot fit batch 8" in line
     with pytest.raises(InfeasibleBudgetError, match=r"cannot fit \(planned over blocks .*; stages .* cannot either\)"):
         pick_chain(choice, lambda c: (_ for _ in ()).throw(InfeasibleBudgetError("target_batch_size=8 cannot fit")), 8)
+
+
+def _stages() -> tuple[ChainChoice, ChainChoice]:
+    """(stages, blocks): two stages of two linear blocks each, the blocks saving 1..4 B."""
+    stages = [torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)) for _ in range(2)]
+    blocks = [b for s in stages for b in s]
+    fine = ChainChoice(names=tuple("abcd"), modules=tuple(blocks), covered_bytes=10, step_bytes=10, left_out=(),
+                       probe_batch_size=2, level="blocks", call_index=(0,) * 4, entry_saved_bytes=(1, 2, 3, 4))
+    coarse = ChainChoice(names=("s0", "s1"), modules=tuple(stages), covered_bytes=10, step_bytes=10, left_out=(),
+                         probe_batch_size=2, level="stages", call_index=(0, 0), entry_saved_bytes=(3, 7))
+    return coarse, fine
+
+
+def test_a_coarser_cut_is_planned_only_when_the_finer_chain_does_not_fit():
+    coarse, fine = _stages()
+    assert coarser_cut(coarse, fine) and not coarser_cut(fine, coarse)
+    assert not coarser_cut(dataclasses.replace(coarse, entry_saved_bytes=(4, 7)), fine)  # the stage's own code saves
+    assert not coarser_cut(coarse, dataclasses.replace(fine, modules=fine.modules[1:] + fine.modules[:1]))
+    assert not coarser_cut(coarse, dataclasses.replace(fine, call_index=(0, 0, 0, 1)))  # a module called twice
+    choice = dataclasses.replace(fine, alternatives=(coarse,))
+    asked: list[str] = []
+
+    def plan(c):
+        asked.append(c.level)
+        return _plan(0.002 if c.level == "blocks" else 0.001)
+
+    index, line = pick_chain(choice, plan, 8, skip_coarser=True)
+    assert index == 0 and asked == ["blocks"]
+    assert line.endswith("stages (2 blocks, s0..s1) is not planned: each of its blocks is a run of those of blocks "
+                         "(4 blocks, a..d), whose plans include its own.")
+    asked.clear()
+    assert pick_chain(choice, plan, 8)[0] == 1 and asked == ["blocks", "stages"]  # without: both planned
+    asked.clear()
+
+    def blocks_refused(c):
+        asked.append(c.level)
+        if c.level == "blocks":
+            raise InfeasibleBudgetError("target_batch_size=8 cannot fit")
+        return _plan(0.001)
+
+    index, line = pick_chain(choice, blocks_refused, 8, skip_coarser=True)
+    assert index == 1 and asked == ["blocks", "stages"] and "blocks (4 blocks, a..d) cannot fit batch 8" in line
 
 
 def test_a_chain_that_saves_nothing_is_refused_with_its_bytes():

@@ -1,6 +1,8 @@
 """Choose among the chains `discover_chain` offers (one per level of the module tree) once each is
 planned: the feasible one that recomputes least, or the one that fits the largest batch, with one
 line for the user saying which and why; and the message for a chain whose blocks save nothing.
+A chain whose every block is a run of another's blocks (`coarser_cut`) is not profiled while that
+finer chain fits: under the `optimal` policy its plans are among the finer chain's.
 """
 
 from __future__ import annotations
@@ -9,12 +11,16 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from lightning_ckpt.planning.nested_planner import NESTED_MAX_BLOCKS
 from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.planning.policies import InfeasibleBudgetError
 from lightning_ckpt.profiling.discovery import NEAR_BEST_SHARE, REST, ChainChoice
 from lightning_ckpt.units import format_bytes
 
-__all__ = ["ChainScore", "choose_chain", "contenders", "describe_nothing_saved", "engine_for_chain", "pick_chain", "plan_score"]
+__all__ = [
+    "ChainScore", "choose_chain", "coarser_cut", "contenders", "describe_nothing_saved", "engine_for_chain", "pick_chain",
+    "plan_score", "skips_coarser",
+]
 
 
 @dataclass(frozen=True)
@@ -150,28 +156,87 @@ def contenders(choice: ChainChoice) -> list[ChainChoice]:
     return [c for c in choice.candidates if c.covered_bytes >= best - room and c.covered_bytes > 0] or [choice]
 
 
+def skips_coarser(policy: str, granularity: str) -> bool:
+    """Whether a coarser cut of a finer contender can go unplanned (`coarser_cut`): only the `optimal` policy
+    over whole blocks searches every grouping of consecutive blocks into segments (nested or not)."""
+    return policy == "optimal" and granularity == "block"
+
+
+def coarser_cut(coarse: ChainChoice, fine: ChainChoice) -> bool:
+    """Whether each block of `coarse` is a run of consecutive blocks of `fine` (module calls inside it),
+    the runs together all of `fine`'s blocks, each saving what its run saves (the coarse block's own code
+    saves nothing more). Then checkpointing a coarse block is checkpointing its run as one segment: every
+    plan of `coarse`, nested ones included, is a plan of `fine`, and the `optimal` plan of `fine` recomputes
+    no more. Modules called more than once, and finer chains too long for the nested planner, say no."""
+    n = len(fine.names)
+    if not len(coarse.names) < n <= NESTED_MAX_BLOCKS or any(coarse.call_index) or any(fine.call_index):
+        return False
+    if len(coarse.entry_saved_bytes) != len(coarse.names) or len(fine.entry_saved_bytes) != n:
+        return False
+    pos = 0
+    for block, saved in zip(coarse.modules, coarse.entry_saved_bytes):
+        inside = {id(m) for m in block.modules()}
+        start = pos
+        while pos < n and id(fine.modules[pos]) in inside:
+            pos += 1
+        if pos == start or sum(fine.entry_saved_bytes[start:pos]) != saved:
+            return False
+    return pos == n
+
+
+def _cuts(found: Sequence[ChainChoice]) -> dict[int, int]:
+    """index -> the index of a finer contender it is a coarser cut of, itself no cut of another."""
+    finer = {i: j for i, c in enumerate(found) for j, f in enumerate(found) if i != j and coarser_cut(c, f)}
+    out = {}
+    for i, j in finer.items():
+        while j in finer:
+            j = finer[j]
+        out[i] = j
+    return out
+
+
 def pick_chain(
-    choice: ChainChoice, plan_fn: Callable[[ChainChoice], Plan], target_batch_size: int, maximize_batch: bool = False
+    choice: ChainChoice, plan_fn: Callable[[ChainChoice], Plan], target_batch_size: int, maximize_batch: bool = False,
+    skip_coarser: bool = False,
 ) -> tuple[int, str]:
     """Plan each of `contenders(choice)` with `plan_fn` (an `InfeasibleBudgetError` counts as not fitting
     `target_batch_size`) and choose among them (`choose_chain`). -> (index into `contenders(choice)`, the
-    line to say). When none fits, the default's error is raised, naming the others."""
+    line to say). When none fits, the default's error is raised, naming the others. `skip_coarser`
+    (`skips_coarser`): a coarser cut of another contender (`coarser_cut`) is planned only when no other fits."""
     found = contenders(choice)
-    scores, errors = [], []
-    for cand in found:
-        try:
-            scores.append(plan_score(plan_fn(cand)))
-            errors.append(None)
-        except InfeasibleBudgetError as err:
-            scores.append(ChainScore(False, 0.0, max(1, target_batch_size)))
-            errors.append(err)
-    if not any(s.feasible for s in scores):
+    cuts = _cuts(found) if skip_coarser else {}
+    planned = [i for i in range(len(found)) if i not in cuts]
+    scores: dict[int, ChainScore] = {}
+    errors: dict[int, InfeasibleBudgetError | None] = {}
+
+    def score(indices: list[int]) -> None:
+        for i in indices:
+            try:
+                scores[i] = plan_score(plan_fn(found[i]))
+                errors[i] = None
+            except InfeasibleBudgetError as err:
+                scores[i] = ChainScore(False, 0.0, max(1, target_batch_size))
+                errors[i] = err
+
+    score(planned)
+    if cuts and not any(scores[i].feasible for i in planned):
+        planned = list(range(len(found)))
+        score(sorted(cuts))
+        cuts = {}
+    if not any(scores[i].feasible for i in planned):
         others = "; ".join(f"{_what(c)} cannot either" for c in found[1:])
         first = errors[0] if errors[0] is not None else InfeasibleBudgetError("the plan does not fit the budget")
         raise InfeasibleBudgetError(
             f"{first} (planned over {_what(found[0])}" + (f"; {others}" if others else "") + ")"
         ) from None
-    return choose_chain(found, scores, maximize_batch)
+    best, line = choose_chain([found[i] for i in planned], [scores[i] for i in planned], maximize_batch)
+    skipped = [
+        f"{_what(found[i])} is not planned: each of its blocks is a run of those of {_what(found[j])}, whose plans "
+        "include its own" for i, j in sorted(cuts.items())
+    ]
+    if skipped:
+        line = line[:-1] + "; " + "; ".join(skipped) + "."
+    return planned[best], line
 
 
 def engine_for_chain(
@@ -181,27 +246,29 @@ def engine_for_chain(
     target_batch_size: int,
     maximize_batch: bool,
     info: Callable[[str], None],
+    skip_coarser: bool = False,
 ) -> tuple[object, ChainChoice]:
     """With `blocks=None`: the engine bound to the chain to plan over. One contender (`contenders`): its
     engine, nothing planned. Several: each is bound (`make_engine`), profiled and planned (`plan_fn`, nothing
-    applied), then closed; the chosen one (`pick_chain`) is returned with its profile kept, said in one line.
-    A chain whose blocks save nothing is refused (`describe_nothing_saved`)."""
+    applied), then closed; the chosen one (`pick_chain`, which with `skip_coarser` leaves out coarser cuts of
+    a finer contender) is returned with its profile kept, said in one line. A chain whose blocks save nothing
+    is refused (`describe_nothing_saved`)."""
     found = contenders(choice)
     nothing = describe_nothing_saved(found[0])
     if nothing is not None:
         raise ValueError(nothing)
     if len(found) == 1:
         return make_engine(found[0]), found[0]
-    engines = []
+    engines: dict[int, object] = {}
 
     def planned(cand: ChainChoice) -> Plan:
         engine = make_engine(cand)
-        engines.append(engine)
+        engines[next(i for i, c in enumerate(found) if c is cand)] = engine
         try:
             return plan_fn(engine)
         finally:
             engine.close()
 
-    index, line = pick_chain(choice, planned, target_batch_size, maximize_batch)
+    index, line = pick_chain(choice, planned, target_batch_size, maximize_batch, skip_coarser)
     info(f"lightning-ckpt: {line}")
     return engines[index], found[index]

@@ -22,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_ckpt.engine import POLICIES, BatchShape, CheckpointEngine, EngineSettings, ShapeDecision, arguments
-from lightning_ckpt.engine.chain_levels import engine_for_chain
+from lightning_ckpt.engine.chain_levels import engine_for_chain, skips_coarser
 from lightning_ckpt.frontends.lightning import loader_batch_size as loader
 from lightning_ckpt.frontends.lightning import measured_peak, resume
 from lightning_ckpt.frontends.lightning.lightning_driver import LightningDriver
@@ -274,7 +274,8 @@ class ActivationCheckpointing(Callback):
             return engine
 
         plan = (lambda e: e.plan_max(batch)) if maximize else (lambda e: e.preview(batch))
-        return engine_for_chain(choice, make, plan, self.batch_size if not maximize else 1, maximize, rank_zero_info)
+        return engine_for_chain(choice, make, plan, self.batch_size if not maximize else 1, maximize, rank_zero_info,
+                                skips_coarser(settings.policy, settings.granularity))
 
     def _resumed_plan(self, shape: BatchShape, static, grads_accumulate: bool) -> resume.ResumedPlan | None:
         """What the checkpoint gives the batch of `shape` (consulted once, before the first plan)."""

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from lightning_ckpt.engine import arguments
-from lightning_ckpt.engine.chain_levels import engine_for_chain
+from lightning_ckpt.engine.chain_levels import engine_for_chain, skips_coarser
 from lightning_ckpt.engine.checkpoint_engine import CheckpointEngine, EngineSettings
 from lightning_ckpt.engine.measured_steps import MeasuredStep
 from lightning_ckpt.frontends.loops.plain_driver import PlainDriver, StepFn
@@ -239,7 +239,7 @@ def auto_checkpoint(
         engine, chosen = engine_for_chain(
             choice, lambda c: bound(list(c.modules), list(c.names)),
             lambda e: e.plan_max(example_batch) if target_batch_size == "max" else e.preview(example_batch, size),
-            size, target_batch_size == "max", driver.info,
+            size, target_batch_size == "max", driver.info, skips_coarser(policy, granularity),
         )
         engine.bind(list(chosen.modules), list(chosen.names), model=driver.model)  # bound again: its profile kept
     else:
