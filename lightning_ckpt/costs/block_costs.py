@@ -24,7 +24,8 @@ class OpCost:
         way torch's selective checkpoint contexts count it inside a checkpointed block.
     keep_bytes: bytes held from the forward to the block's backward when this call's
         outputs are kept instead of recomputed (unique output storages; for a random op,
-        its draws as one byte per element).
+        the copy that keeps its draws: one byte per element of a bernoulli mask, else its
+        outputs' bytes, `op_profile.kept_draw_bytes`).
     saved: autograd saves one of its output storages for backward.
     keepable: keeping it is possible: its outputs are new storages (not views of or
         writes into its inputs), or it is a random op whose draws can be replayed.
