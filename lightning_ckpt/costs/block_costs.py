@@ -80,6 +80,10 @@ class BlockCost:
         (the block's last op saves its result, e.g. a ReLU); not counted twice.
     fwd_transient_bytes: peak extra bytes live during the block's forward beyond
         what it saves and returns (scratch space).
+    stop_output_bytes: the part of `output_bytes` not in `saved_bytes` that exists when the
+        block's last saved tensor is saved: the op that saves last made it first (LayerNorm
+        saves its mean and rstd after making its output), so a recompute that stops there
+        (torch's early stop) holds it too. 0 when the output is made after that.
     ckpt_fwd_peak_bytes: peak bytes above what was live at the block's entry during
         a forward that saves nothing (as inside a checkpointed segment): intermediates
         live only until the next op consumes them, plus the output. None when not
@@ -161,6 +165,7 @@ class BlockCost:
     output_bytes: int = 0
     output_saved_bytes: int = 0
     fwd_transient_bytes: int = 0
+    stop_output_bytes: int = 0
     ckpt_fwd_peak_bytes: int | None = None
     bwd_transient_bytes: int = 0
     grad_bytes: int = 0

@@ -22,6 +22,7 @@ _BLOCK_LINEAR = (
     "output_bytes",
     "output_saved_bytes",
     "fwd_transient_bytes",
+    "stop_output_bytes",
     "bwd_transient_bytes",
     "fwd_flops",
     "tail_flops",
