@@ -34,6 +34,49 @@ class TinyChain(nn.Module):
         return self.head(x.mean(dim=1))
 
 
+class PostNormBlock(nn.Module):
+    """BERT's output sublayer in small: a linear layer and dropout, held while LayerNorm runs on its sum
+    with the input (as HF BERT's `hidden_states`); LayerNorm saves its mean and rstd after making its
+    output, so the block's output exists when the block saves its last tensor."""
+
+    def __init__(self, d: int = 16, p: float = 0.1) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.fc(x))
+        return self.norm(h + x)
+
+
+class PostNormAttentionBlock(nn.Module):
+    """BERT's attention sublayer in small: attention through torch's fused kernel (the CPU's is tagged
+    random for its dropout, here 0), residual dropout, then LayerNorm on the sum."""
+
+    def __init__(self, d: int = 16, heads: int = 2, p: float = 0.1) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        a = nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, d)
+        return self.norm(x + self.drop(self.out(a)))
+
+
+class AttentionChain(TinyChain):
+    """`TinyChain` with `PostNormAttentionBlock`s."""
+
+    def __init__(self, n_blocks: int = 4, d: int = 16, vocab: int = 50, n_classes: int = 3, p: float = 0.1) -> None:
+        super().__init__(n_blocks, d, vocab, n_classes, p)
+        self.blocks = nn.ModuleList(PostNormAttentionBlock(d, p=p) for _ in range(n_blocks))
+
+
 class ConvBlock(nn.Module):
     def __init__(self, c: int, momentum: float | None = 0.1) -> None:
         super().__init__()

@@ -123,7 +123,8 @@ def walk_peak(cost: StepCost, segments: Segments) -> PeakBreakdown:
         # the segment's interior is rebuilt at once; the boundary input is not counted twice
         rebuilt = sum(blocks[k].saved_bytes for k in range(a, b + 1)) - blocks[a].input_saved_bytes
         base = prefix[a] + blocks[a].input_bytes + shift[a]
-        scratch = max(blocks[k].fwd_transient_bytes for k in range(a, b + 1))
+        # a recompute that stops at a block's last save holds its scratch, and its output when made by then
+        scratch = max(blocks[k].fwd_transient_bytes + blocks[k].stop_output_bytes for k in range(a, b + 1))
         for k in range(b, a - 1, -1):
             blk = blocks[k]
             extra = max(scratch_of(blk), scratch) if k == b else scratch_of(blk)

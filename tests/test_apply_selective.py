@@ -68,7 +68,10 @@ class CallRecorder(TorchDispatchMode):
         outs = _tensors(out)
         random = is_random_op(func)
         new = bool(outs) and not func.is_view and not writes and all(storage_key(t) not in inputs for t in outs)
-        kept_bytes = outs[0].numel() if random else sum(storage_bytes(t) for t in outs)
+        # a kept draw: a bernoulli mask one byte per element, any other random op's outputs cloned
+        mask = getattr(func, "_overloadpacket", None) in (torch.ops.aten.bernoulli_, torch.ops.aten.bernoulli)
+        kept_bytes = (sum(t.numel() for t in outs) if mask else sum(t.numel() * t.element_size() for t in outs)) \
+            if random else sum(storage_bytes(t) for t in outs)
         versions = [(t, t._version) for t in outs]
         self.calls.append({"key": key, "random": random, "new": new, "bytes": kept_bytes, "versions": versions})
         return out
@@ -187,6 +190,32 @@ def test_kept_calls_are_not_recomputed():
     assert kept["aten.copy_.default"] - plain.get("aten.copy_.default", 0) == 3
     for op in ("aten.gelu.default", "aten.native_layer_norm.default", "aten._softmax.default"):
         assert kept[op] == plain[op], op
+
+
+def test_a_kept_fused_attention_holds_what_the_profile_costs():
+    """`F.scaled_dot_product_attention` without dropout runs the CPU's fused kernel, tagged random: a
+    kept call keeps clones of its output and log-sum-exp. Held after the forward, counted by a tracker
+    of live storages apart from the library's, they are the call's profiled `keep_bytes`."""
+    from models import PostNormAttentionBlock
+    from storage_oracle import LiveStorages
+
+    from lightning_ckpt.profiling.profiler import probe_step
+
+    torch.manual_seed(0)
+    blk = PostNormAttentionBlock(16, p=0.0)
+    chain = nn.Sequential(blk)
+    x = torch.randn(BATCH, SEQ, 16)
+    ops = probe_step(chain, [blk], lambda b: chain(b).square().mean(), x, timing=False).blocks[0].ops
+    (attn,) = [op for op in ops if "scaled_dot_product" in op.op]
+    apply_segments([blk], [(0, 0)], keep_ops={0: [attn.key]})
+    x = x.clone().requires_grad_()
+    with LiveStorages() as live:
+        live.count([x, *blk.parameters()])
+        before = live.bytes
+        out = blk(x)
+        held = live.bytes - before - out.untyped_storage().nbytes()
+    assert held == attn.keep_bytes == 4 * (BATCH * SEQ * 16 + BATCH * 2 * SEQ)  # output, lse (2 heads)
+    out.sum().backward()
 
 
 def test_memory_after_forward_is_input_plus_kept_bytes():

@@ -62,8 +62,9 @@ def rich_cost(rng: random.Random, n: int, huge: bool = True) -> StepCost:
                 shared_with_previous_bytes=shared,
                 input_saved_by_previous_bytes=by_prev,
                 output_bytes=out,
-                output_saved_bytes=rng.choice((0, out, rng.randint(0, out))),
+                output_saved_bytes=(out_saved := rng.choice((0, out, rng.randint(0, out)))),
                 fwd_transient_bytes=rng.choice((0, rng.randint(0, 80))),
+                stop_output_bytes=out - out_saved if i % 3 == 1 else 0,  # (no draw: the streams stay as they were)
                 ckpt_fwd_peak_bytes=rng.choice((None, rng.randint(0, 120))),
                 bwd_transient_bytes=(bwd := rng.choice((0, rng.randint(0, 80)))),
                 kept_grads_bwd_transient_bytes=bwd // 2 if i % 2 else None,  # (no draw: the streams stay as they were)

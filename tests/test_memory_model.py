@@ -192,8 +192,9 @@ def block_costs(draw, first: bool = False):
         shared_with_previous_bytes=draw(st.integers(0, 60)),
         input_saved_by_previous_bytes=draw(st.integers(0, x)),
         output_bytes=out,
-        output_saved_bytes=draw(st.integers(0, out)),
+        output_saved_bytes=(out_saved := draw(st.integers(0, out))),
         fwd_transient_bytes=draw(st.integers(0, 80)),
+        stop_output_bytes=draw(st.sampled_from((0, out - out_saved))),
         ckpt_fwd_peak_bytes=draw(st.none() | st.integers(0, 150)),
         bwd_transient_bytes=(bwd := draw(st.integers(0, 80))),
         # into kept gradients: the gradients it makes live only until added (at most the unset peak)

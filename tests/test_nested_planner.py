@@ -41,8 +41,9 @@ def deep_cost(rng: random.Random, n: int, scale: int = 1, accumulate: bool = Fal
                 shared_with_previous_bytes=scale * rng.choice((0, 0, x)) if i else 0,
                 input_saved_by_previous_bytes=scale * rng.choice((0, 0, x)) if i else 0,
                 output_bytes=scale * out,
-                output_saved_bytes=scale * rng.choice((0, out)),
+                output_saved_bytes=(out_saved := scale * rng.choice((0, out))),
                 fwd_transient_bytes=scale * rng.randint(0, 10),
+                stop_output_bytes=scale * out - out_saved if i % 3 == 1 else 0,  # (no draw, as below)
                 bwd_transient_bytes=(bwd := scale * rng.randint(0, 10)),
                 kept_grads_bwd_transient_bytes=bwd // 2 if i % 2 else None,  # (no draw: the streams stay as they were)
                 grad_bytes=scale * rng.randint(0, 3),

@@ -178,11 +178,15 @@ def test_encoder_block_names_its_ops_in_call_order():
 
 
 def test_sdpa_block_records_the_fused_attention_call():
+    """The CPU's fused attention is tagged random (for its dropout, 0 here): keeping it keeps clones of
+    its output and log-sum-exp, costed at their bytes, not at one byte per element as a mask."""
     cost = _probe("sdpa")
+    b, t, heads = 4, 4, 2
     for block in cost.blocks:
         attn = [op for op in block.ops if "scaled_dot_product" in op.op]
         assert len(attn) == 1 and attn[0].call_index == 0
-        assert attn[0].saved and attn[0].keepable and attn[0].keep_bytes > 0
+        assert attn[0].saved and attn[0].keepable
+        assert attn[0].keep_bytes == (b * t * D + b * heads * t) * F32  # output (b, heads, t, D / heads), lse (b, heads, t)
 
 
 # ----------------------------------------------------------------------------- work

@@ -80,16 +80,14 @@ def test_infeasible_message_counts_per_rank(two):
 def test_other_tensor_parallel_configurations(two, config):
     """Op-level plans, `loss_parallel` (the vocabulary sharded through the loss) and bf16-mixed, under
     TP=2: the same plan on both ranks, losses equal without the callback. Planned at the edge of the
-    budget, `loss_parallel` and bf16 measure within 1 % of the prediction and within the budget; the
-    op-level plan within 3.5 % (it measures more than predicted, and over the budget by up to 2 %)."""
+    budget, each measures within 1 % of the prediction and within the budget (a kept call of the CPU's
+    fused attention, a random op by its tags, is costed at the clones that keep its outputs)."""
     for r in two:
         found = r[config]
         run = found["run"]
         assert run["losses"] == found["losses_plain"] and len(found["losses_plain"]) == STEPS, (r["rank"], found)
-        tolerance = 0.035 if config == "op_level" else 0.01
-        assert _close(run["predicted_peak"], run["measured_peak"], tolerance), (r["rank"], run)
-        if config != "op_level":
-            assert run["fits"] and run["measured_peak"] <= run["budget"], (r["rank"], run)
+        assert _close(run["predicted_peak"], run["measured_peak"], 0.01), (r["rank"], run)
+        assert run["fits"] and run["measured_peak"] <= run["budget"], (r["rank"], run)
     assert two[0][config]["run"]["plan"] == two[1][config]["run"]["plan"]
 
 

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_ckpt.profiling.op_keys import OpCallCounter, is_random_op
+from lightning_ckpt.profiling.op_profile import zero_one_draws
 from lightning_ckpt.profiling.tracker import storage_key
 
 OpKey = tuple[str, int]
@@ -73,11 +74,6 @@ def _default_generator(device: torch.device) -> torch.Generator:
 _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _zero_one(func: Any) -> bool:
-    """Ops whose every output value is +0 or +1 by definition (bernoulli draws)."""
-    return getattr(func, "_overloadpacket", None) in (torch.ops.aten.bernoulli_, torch.ops.aten.bernoulli)
-
-
 def _compact(t: torch.Tensor, zero_one: bool = False) -> tuple[torch.Tensor, torch.dtype | None]:
     """A lossless copy of `t`: one byte per element (bool) when every value is exactly 0 or +1
     (a bernoulli mask), else a clone. Returns (copy, dtype to restore it to, None if none).
@@ -123,11 +119,11 @@ class _KeptDraw:
                     "and does not return the tensor it writes; its draws cannot be replayed. Drop it from keep_ops."
                 )
             self.target = written[0]
-            self.values, self.spec = [_compact(target, _zero_one(func))], None
+            self.values, self.spec = [_compact(target, zero_one_draws(func))], None
             device = target.device
         else:
             flat, self.spec = tree_flatten(out)
-            self.values = [_compact(v, _zero_one(func)) if isinstance(v, torch.Tensor) else (v, None) for v in flat]
+            self.values = [_compact(v, zero_one_draws(func)) if isinstance(v, torch.Tensor) else (v, None) for v in flat]
             device = tensors_of(out)[0].device
         positions = [i for i, a in enumerate(func._schema.arguments) if a.name == "generator"]
         explicit = argument_at(args, kwargs, positions[0], "generator") if positions else None

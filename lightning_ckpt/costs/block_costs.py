@@ -24,7 +24,8 @@ class OpCost:
         way torch's selective checkpoint contexts count it inside a checkpointed block.
     keep_bytes: bytes held from the forward to the block's backward when this call's
         outputs are kept instead of recomputed (unique output storages; for a random op,
-        its draws as one byte per element).
+        the copy that keeps its draws: one byte per element of a bernoulli mask, else its
+        outputs' bytes, `op_profile.kept_draw_bytes`).
     saved: autograd saves one of its output storages for backward.
     keepable: keeping it is possible: its outputs are new storages (not views of or
         writes into its inputs), or it is a random op whose draws can be replayed.
@@ -79,6 +80,10 @@ class BlockCost:
         (the block's last op saves its result, e.g. a ReLU); not counted twice.
     fwd_transient_bytes: peak extra bytes live during the block's forward beyond
         what it saves and returns (scratch space).
+    stop_output_bytes: the part of `output_bytes` not in `saved_bytes` that exists when the
+        block's last saved tensor is saved: the op that saves last made it first (LayerNorm
+        saves its mean and rstd after making its output), so a recompute that stops there
+        (torch's early stop) holds it too. 0 when the output is made after that.
     ckpt_fwd_peak_bytes: peak bytes above what was live at the block's entry during
         a forward that saves nothing (as inside a checkpointed segment): intermediates
         live only until the next op consumes them, plus the output. None when not
@@ -160,6 +165,7 @@ class BlockCost:
     output_bytes: int = 0
     output_saved_bytes: int = 0
     fwd_transient_bytes: int = 0
+    stop_output_bytes: int = 0
     ckpt_fwd_peak_bytes: int | None = None
     bwd_transient_bytes: int = 0
     grad_bytes: int = 0

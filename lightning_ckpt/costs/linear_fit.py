@@ -22,6 +22,7 @@ _BLOCK_LINEAR = (
     "output_bytes",
     "output_saved_bytes",
     "fwd_transient_bytes",
+    "stop_output_bytes",
     "bwd_transient_bytes",
     "fwd_flops",
     "tail_flops",
@@ -190,6 +191,7 @@ class Profile:
                 kw[f] = v if f == "fwd_ms" else int(round(v))
             kw["input_saved_bytes"] = min(kw["input_saved_bytes"], kw["input_bytes"])
             kw["output_saved_bytes"] = min(kw["output_saved_bytes"], kw["output_bytes"])
+            kw["stop_output_bytes"] = min(kw["stop_output_bytes"], kw["output_bytes"] - kw["output_saved_bytes"])
             kw["input_unsaved_bytes"] = min(kw["input_unsaved_bytes"], kw["input_bytes"])
             kw["input_saved_by_previous_bytes"] = min(kw["input_saved_by_previous_bytes"], kw["input_bytes"])
             if b1.ckpt_fwd_peak_bytes is not None and b2.ckpt_fwd_peak_bytes is not None:

@@ -114,6 +114,7 @@ class CostCombination:
             whole = kw["input_bytes"]
             kw["input_saved_bytes"] = min(kw["input_saved_bytes"], whole)
             kw["output_saved_bytes"] = min(kw["output_saved_bytes"], kw["output_bytes"])
+            kw["stop_output_bytes"] = min(kw["stop_output_bytes"], kw["output_bytes"] - kw["output_saved_bytes"])
             kw["input_saved_by_previous_bytes"] = min(kw["input_saved_by_previous_bytes"], whole)
             for tail, whole in _TAILS:
                 kw[tail] = min(kw[tail], kw[whole])

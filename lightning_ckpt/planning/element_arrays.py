@@ -28,6 +28,7 @@ from lightning_ckpt.planning.peak_terms import (
     gap_forward_bytes,
     kept_backward_bytes,
     kept_forward_bytes,
+    recompute_scratch_bytes,
     segment_activations_bytes,
     segment_block_forward_bytes,
 )
@@ -131,7 +132,7 @@ def segment_need_rows(a: ElementArrays, p0: int, p1: int, width: int) -> np.ndar
     G = win(a.G)
     acts = segment_activations_bytes(first, win(a.W[1:]) - a.W[rows, None])
     kept = a.grads_kept
-    last = block_backward_bytes(blk, G, acts, np.maximum.accumulate(blk.fwd_transient_bytes, axis=1), kept)
+    last = block_backward_bytes(blk, G, acts, np.maximum.accumulate(recompute_scratch_bytes(blk), axis=1), kept)
     if width > 1:
         inner = np.maximum.accumulate(block_backward_bytes(blk, G, acts, grads_kept=kept), axis=1)
         np.maximum(last[:, 1:], inner[:, :-1], out=last[:, 1:])
@@ -146,5 +147,5 @@ def single_segment_parts(a: ElementArrays) -> tuple[np.ndarray, np.ndarray]:
     cols = a.blocks
     fwd = a.static + np.maximum(segment_block_forward_bytes(cols, a.fwd_grads, 0), gap_forward_bytes(a.x, a.fwd_grads, a.gap))
     acts = segment_activations_bytes(cols, cols.saved_bytes)
-    bwd = a.static + block_backward_bytes(cols, a.G, acts, cols.fwd_transient_bytes, a.grads_kept)
+    bwd = a.static + block_backward_bytes(cols, a.G, acts, recompute_scratch_bytes(cols), a.grads_kept)
     return fwd, bwd

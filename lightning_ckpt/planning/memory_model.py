@@ -30,6 +30,7 @@ from lightning_ckpt.planning.peak_terms import (
     gap_forward_bytes,
     kept_backward_bytes,
     kept_forward_bytes,
+    recompute_scratch_bytes,
     segment_activations_bytes,
     segment_block_forward_bytes,
     state_snapshot_bytes,
@@ -289,7 +290,7 @@ def segment_elements(cost: StepCost, first: int, terms: StepTerms) -> Iterator[E
         blk = blocks[b]
         fwd = max(fwd, base + segment_block_forward_bytes(blk, fwd_grads, x if b > first else 0))
         rebuilt += blk.saved_bytes
-        scratch = max(scratch, blk.fwd_transient_bytes)
+        scratch = max(scratch, recompute_scratch_bytes(blk))
         acts = segment_activations_bytes(blocks[first], rebuilt)
         last = base + block_backward_bytes(blk, after[b], acts, scratch, kept)
         out = max(fwd, base + gap_forward_bytes(x, fwd_grads, gap_after(cost, b)))

@@ -22,6 +22,7 @@ from lightning_ckpt.planning.peak_terms import (
     child_forward_bytes,
     kept_backward_bytes,
     recompute_end_bytes,
+    recompute_scratch_bytes,
     segment_activations_bytes,
     segment_inflight_bytes,
 )
@@ -164,7 +165,7 @@ def nested_backward(cost: StepCost, first: int, last: int, inner: Sequence[Span]
             if need >= best:
                 best, at = need, a
             resident += blk.saved_bytes
-            scratch = max(scratch, blk.fwd_transient_bytes)
+            scratch = max(scratch, recompute_scratch_bytes(blk))
         prev_child = child
     end = recompute_end_bytes(tail, tail_grads, resident, scratch)
     if end >= best:

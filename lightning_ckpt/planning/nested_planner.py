@@ -40,6 +40,7 @@ from lightning_ckpt.planning.peak_terms import (
     child_forward_bytes,
     kept_backward_bytes,
     recompute_end_bytes,
+    recompute_scratch_bytes,
     segment_activations_bytes,
     segment_inflight_bytes,
 )
@@ -89,7 +90,7 @@ class _Tables:
         self.X0 = up(segment_activations_bytes(a.blocks, 0))
         self.keep_need = up(a.keep_need - self.base)
         self.blocks, self.G = blocks, a.G  # for the terms of a parent ending at b
-        self.ft = a.blocks.fwd_transient_bytes
+        self.ft = recompute_scratch_bytes(a.blocks)
         self.up = up
         self.next_break = np.full(n, n, dtype=np.int64)  # first block k > p that does not chain from k - 1
         nb = n

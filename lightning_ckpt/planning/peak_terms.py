@@ -40,6 +40,7 @@ class BlockColumns:
     output_saved_bytes: np.ndarray
     input_unsaved_bytes: np.ndarray
     fwd_transient_bytes: np.ndarray
+    stop_output_bytes: np.ndarray
     ckpt_fwd_peak_bytes: np.ndarray
     bwd_transient_bytes: np.ndarray
     kept_grads_bwd_transient_bytes: np.ndarray
@@ -129,6 +130,13 @@ def kept_forward_bytes(blk, forward_grads, gap_bytes):
         own + blk.input_unsaved_bytes + blk.carried_fwd_bytes,
         gap_forward_bytes(blk.saved_bytes - blk.output_saved_bytes, forward_grads, gap_bytes),
     )
+
+
+def recompute_scratch_bytes(blk):
+    """[constraint] What a block's forward holds in a recompute beyond what it saves: its forward
+    scratch and, where the op that saves last made the block's output first, that output
+    (`stop_output_bytes`): the recompute stops after that save (torch's early stop) with both alive."""
+    return blk.fwd_transient_bytes + blk.stop_output_bytes
 
 
 # ----------------------------------------------------------------------------- backward

@@ -18,7 +18,7 @@ from lightning_ckpt.costs.block_costs import OpCost
 from lightning_ckpt.profiling.op_keys import OpCallCounter, is_random_op
 from lightning_ckpt.profiling.tracker import flat_tensors, storage_bytes, storage_key
 
-__all__ = ["OpProfileRecorder", "written_args"]
+__all__ = ["OpProfileRecorder", "kept_draw_bytes", "written_args", "zero_one_draws"]
 
 _written_cache: dict[Any, tuple[tuple[int, str], ...]] = {}
 
@@ -36,6 +36,23 @@ def written_args(func: Any) -> tuple[tuple[int, str], ...]:
         )
         _written_cache[func] = found
     return found
+
+
+def zero_one_draws(func: Any) -> bool:
+    """Whether every value `func` writes is +0 or +1 by definition (bernoulli draws): its kept draws
+    are stored as one byte per element (`apply.kept_draws`)."""
+    return getattr(func, "_overloadpacket", None) in (torch.ops.aten.bernoulli_, torch.ops.aten.bernoulli)
+
+
+def kept_draw_bytes(func: Any, outs: Sequence[torch.Tensor]) -> int:
+    """Bytes the copy that keeps a random call's draws holds (`apply.kept_draws`): one byte per
+    element of a bernoulli mask, else a clone of each output (its elements at their size). A
+    random op need not write 0/1: dropout's `native_dropout` returns the scaled output beside its
+    mask, and the CPU's fused attention (`_scaled_dot_product_flash_attention_for_cpu`, tagged
+    random for its dropout even at probability 0) its output and log-sum-exp."""
+    if zero_one_draws(func):
+        return sum(t.numel() * (t.element_size() if t.is_complex() else 1) for t in outs)
+    return sum(t.numel() * t.element_size() for t in outs)
 
 
 def _tensor_keys(values: Any) -> set:
@@ -125,7 +142,7 @@ class OpProfileRecorder:
             keepable = not aliased and not written
         random = bool(outs) and is_random_op(func)
         if random:
-            keep = outs[0].numel()  # the draws, kept as one byte (a bool mask) per element
+            keep = kept_draw_bytes(func, outs)
         self._calls.append(_Call(key, keep, keepable, random, int(flops), mem_bytes, rng_bytes))
 
     def _written_keys(self, func: Any, args: tuple, kwargs: dict, index: int) -> set:

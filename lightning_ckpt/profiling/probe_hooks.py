@@ -77,6 +77,8 @@ class Probe:
         self.output_bytes = [0] * n
         self.output_saved = [0] * n
         self.fwd_transient = [0] * n
+        self.stop_output = [0] * n  # `BlockCost.stop_output_bytes`
+        self.last_pack_tick = [0] * n  # the ledger's tick when the block last saved an activation
         self.bwd_transient = [0] * n
         self.fwd_flops = [0] * n
         self.flops_at_entry = [0] * n
@@ -199,6 +201,11 @@ class Probe:
         if out is not None and self.owner.get(key) == i:
             self.output_saved[i] = self.output_bytes[i]
         self.fwd_transient[i] = max(0, self.tracker.peak_bytes - live)
+        serial = self.ledger.serial(key) if out is not None else None
+        if serial is not None and self.ledger.born_in[serial] == block_region(i):
+            # [constraint] made by the time the last saved tensor was saved: a recompute stopped there holds it
+            if self.ledger.born_at[serial] <= self.last_pack_tick[i]:
+                self.stop_output[i] = self.output_bytes[i] - self.output_saved[i]
         self.fwd_flops[i] = self.flops.get_total_flops() - self.flops_at_entry[i]
         self.fwd_work[i] = _minus(self._work(), self.work_at_entry[i])
         if self.op_profile is not None:
@@ -244,6 +251,7 @@ class Probe:
                     self.shared_prev[i] += nbytes
                     self.shared_serials[i].append((self.ledger.serial(key), nbytes))
             self.flops_at_last_pack[i] = self.flops.get_total_flops()
+            self.last_pack_tick[i] = self.ledger.mark()
             self.work_at_last_pack[i] = self.work.snapshot() if self.work is not None else (0, 0)
             if self.op_profile is not None:
                 self.op_profile.packed(key if activation else None)

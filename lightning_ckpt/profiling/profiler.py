@@ -168,6 +168,7 @@ def probe_step(
             output_bytes=probe.output_bytes[i],
             output_saved_bytes=probe.output_saved[i],
             fwd_transient_bytes=probe.fwd_transient[i],
+            stop_output_bytes=probe.stop_output[i],
             ckpt_fwd_peak_bytes=ckpt_peaks[i],
             bwd_transient_bytes=probe.bwd_transient[i],
             kept_grads_bwd_transient_bytes=min(backward_phase_peaks(phases[i])[1], probe.bwd_transient[i]) if phases[i] else None,
