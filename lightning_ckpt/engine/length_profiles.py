@@ -14,13 +14,11 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
 from lightning_ckpt.costs.block_costs import StepCost
 from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.planning.policies import InfeasibleBudgetError
 from lightning_ckpt.planning.shape_profile import FIT_TOLERANCE, MIN_FIT_LENGTHS, ShapeProfile, checked_bytes
-from lightning_ckpt.profiling.profile_budget import MARGIN, SampleTooLong, checkpointed_first, released
+from lightning_ckpt.profiling.profile_budget import MARGIN, SampleTooLong, checkpointed_first, predicted_pass_bytes, released
 from lightning_ckpt.profiling.shapes import BatchShape
 from lightning_ckpt.units import format_bytes
 
@@ -31,22 +29,6 @@ EXTRAPOLATE = 2.0  # at batch 1 the fit may cost a length up to this many times 
 # of a run that keeps growing), the reserve then at most 1.56x the checked miss
 GROW = 1.25
 RoomFn = Callable[[], "int | None"]  # the bytes a profiling pass may hold (None: not known)
-
-
-def predicted_pass_bytes(passes: dict[int, int], length: int) -> int | None:
-    """The bytes a pass at `length` will hold, from the passes measured at shorter prefixes: the
-    polynomial of degree at most 2 through them, or from one pass in proportion to the square of the
-    length (attention's scores); None before any pass."""
-    if not passes:
-        return None
-    xs = sorted(passes)
-    longer = [passes[x] for x in xs if x >= length]
-    if longer:  # a shorter prefix holds at most what a longer one did
-        return min(longer)
-    if len(xs) == 1:
-        return int(math.ceil(passes[xs[0]] * (length / xs[0]) ** 2))
-    coef = np.polynomial.polynomial.polyfit(xs, [passes[x] for x in xs], min(2, len(xs) - 1))
-    return int(math.ceil(max(float(np.polynomial.polynomial.polyval(length, coef)), passes[xs[-1]])))
 
 
 def profile_lengths(
