@@ -43,7 +43,6 @@ class Shortfall:
     why: str = ""
     length_tokens: int | None = None
     longest_tokens: int | None = None
-    longest_is_bound: bool = False  # `longest_tokens` fit, and no longer prefix was tried up to `length_tokens`
     shortest_tokens: int | None = None
     estimate_bytes: int | None = None
     estimate_high_bytes: int | None = None  # with `estimate_bytes`, a range
@@ -88,10 +87,9 @@ class Shortfall:
             else "No batch fits at this size, not even 1 sample.",
         ]
         if self.longest_tokens:
-            bound = "at least " if self.longest_is_bound else ""
             parts.append(
-                f"At batch 1 the longest sequence that fits is {bound}{self.longest_tokens} tokens of "
-                f"{self.length_tokens} (prefixes profiled {'under checkpointing ' if not bound else ''}within the budget)."
+                f"At batch 1 the longest sequence that fits is {self.longest_tokens} tokens of {self.length_tokens} "
+                f"(prefixes profiled under checkpointing within the budget, in at most {SEARCH_PASSES} passes)."
             )
         elif self.longest_tokens == 0:
             parts.append(f"No sample fits: not even a prefix of {self.shortest_tokens} token(s) under checkpointing.")
@@ -120,13 +118,16 @@ class ProfileRefused(InfeasibleBudgetError):
         self.shortfall = shortfall
 
 
-def longest_prefix(length: int, pass_at: Callable[[int], int | None], passes: int = SEARCH_PASSES) -> tuple[int, int, dict[int, int]]:
-    """The longest prefix of a sequence of `length` tokens whose pass fits, `length` itself known not to:
-    `pass_at(x)` runs the bounded pass on the first `x` tokens and gives the bytes it held (None: stopped).
-    -> (the longest that fit, 0 when none did; the shortest tried; {length: bytes} of those that fit).
+def longest_prefix(
+    length: int, pass_at: Callable[[int], int | None], passes: int = SEARCH_PASSES, lo: int = 0,
+) -> tuple[int, int, dict[int, int]]:
+    """The longest prefix of a sequence of `length` tokens whose pass fits, `length` itself known not to (and
+    `lo` known to, when not 0): `pass_at(x)` runs the bounded pass on the first `x` tokens and gives the bytes
+    it held (None: stopped). -> (the longest that fit, 0 when none did; the shortest tried; {length: bytes}
+    of those tried that fit).
 
     [search] halve until a prefix fits, then bisect between it and the shortest that did not, `passes` in all."""
-    lo, hi, tried, held = 0, length, length, {}
+    hi, tried, held = length, length, {}
     for _ in range(passes):
         x = hi // 2 if lo == 0 else (lo + hi) // 2
         if x < 1 or x <= lo:
