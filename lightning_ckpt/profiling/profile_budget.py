@@ -35,7 +35,7 @@ from lightning_ckpt.units import format_bytes
 
 __all__ = [
     "AT_LIMIT", "MARGIN", "NoRoom", "checkpointed_first", "wants_checkpointed_first", "ProfileBudget", "ProfileBudgetError", "SliceRoom", "batch_bytes", "check_within",
-    "optional_pass", "predicted_pass_bytes", "probe_within", "released", "SampleTooLong", "smaller_probes", "why_stopped",
+    "optional_pass", "predicted_pass_bytes", "probe_within", "reached_bytes", "released", "SampleTooLong", "smaller_probes", "why_stopped",
 ]
 
 MARGIN = 0.1  # share of a predicted pass held back for what no pass measured yet (Python objects, one op's scratch)
@@ -212,7 +212,7 @@ def probe_within(room: SliceRoom | None, size: int, run: Pass) -> StepCost:
         with _quiet_when_stopped():
             cost = run(room.limit_bytes)
     except torch.OutOfMemoryError as err:  # its frames hold the pass's tensors: raised on without them
-        reason, reached = why_stopped(err), _reached(err, room.limit_bytes)
+        reason, reached = why_stopped(err), reached_bytes(err, room.limit_bytes)
     if reason is not None:
         raise NoRoom(size, reason, reached)
     room.record(size, cost.meta["pass_bytes"])
@@ -234,7 +234,7 @@ def check_within(room: SliceRoom | None, above: int, size: int) -> int | None:
     return fitting
 
 
-def _reached(err: BaseException, room_bytes: int) -> int | None:
+def reached_bytes(err: BaseException, room_bytes: int) -> int | None:
     """What a pass stopped by the tracker's limit held, the slice included: the tracker's limit is the room
     less what stays outside it (the slice; in a block run again, what the pass held when it began)."""
     reached, limit = getattr(err, "reached_bytes", None), getattr(err, "limit_bytes", None)

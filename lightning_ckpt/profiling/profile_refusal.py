@@ -47,6 +47,7 @@ class Shortfall:
     estimate_bytes: int | None = None
     estimate_high_bytes: int | None = None  # with `estimate_bytes`, a range
     estimate_from: str = ""
+    pass_words: str = ""  # what the stopped pass was, when not a profiling pass
 
     @property
     def room_bytes(self) -> int:
@@ -73,7 +74,7 @@ class Shortfall:
                 f"{format_bytes(self.budget_bytes)} budget ({_RESIDENT}), {format_bytes(-self.room_bytes)} over it "
                 "before any activation. Lower target_batch_size or raise memory_budget."
             )
-        how = _UNDER if self.recompute else f"unplanned ({self.why})"
+        how = self.pass_words or (_UNDER if self.recompute else f"unplanned ({self.why})")
         whose = "the `full` plan's" if self.recompute else "the unplanned step's"
         peak = f"{whose} peak at batch {self.batch_size} is at least {format_bytes(self.at_least_bytes)}"
         if self.estimate_bytes is not None:
