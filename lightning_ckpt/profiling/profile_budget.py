@@ -225,7 +225,7 @@ def check_within(room: SliceRoom | None, above: int, size: int) -> int | None:
     if room is None:
         return size
     fitting = room.largest_fitting(above, size)
-    if fitting != size and room.fits(above):  # (probes that went over the budget say so themselves)
+    if fitting != size and room.fits(above):  # (when the probes themselves do not fit, profiling refuses the batch)
         instead = f"a check slice of {fitting} samples" if fitting else "no check slice (the fitted line is not checked)"
         room.info(
             f"lightning-ckpt: profiling with {instead}: unplanned, {size} samples are predicted to need "
