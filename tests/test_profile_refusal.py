@@ -114,3 +114,35 @@ def test_one_long_sequence_is_refused_with_the_longest_length_that_fits_which_th
         p.grad = None
     with pytest.raises(InfeasibleBudgetError, match=rf"length {longest + 1}\) was refused before profiling went over"):
         checkpointed(longest + 1)
+
+
+class _OtherBranchAgain(nn.Module):
+    """A block whose second run takes another branch (its forward reads a count it writes): it cannot be run
+    again under checkpointing as its forward ran."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.linear = nn.Linear(d, 4 * d)
+        self.out = nn.Linear(4 * d, d)
+        self.calls = torch.zeros(())  # (a tensor it reads and writes, not an argument)
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.linear(x)
+        return self.out(h.exp() if self.calls.item() % 2 else h)
+
+
+def test_a_batch_that_cannot_be_profiled_under_checkpointing_is_refused_with_why():
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_OtherBranchAgain() for _ in range(3)))
+    batch = torch.randn(4, 256, 16, generator=torch.Generator().manual_seed(1))
+    static = static_memory(model)
+    budget = static.resident_bytes + batch.untyped_storage().nbytes() + 300 * 1024  # under one sample's unplanned pass
+    with LiveStorages() as mode:
+        mode.count(step_state(model) + [batch])
+        with pytest.raises(InfeasibleBudgetError, match=r"a pass on 1 sample\(s\) unplanned \(not under checkpointing: block "
+                           r"call \d run again saved .*\) needs more: .* the unplanned step's peak at batch 4 is at least .* "
+                           r"The `full` plan's peak could not be measured"):
+            profile_model(model, list(model), lambda x: model(x).square().mean(), batch, timing=False,
+                          budget=ProfileBudget(budget, static.resident_bytes, info=lambda _: None))
+    assert mode.peak <= budget, (mode.peak, budget)

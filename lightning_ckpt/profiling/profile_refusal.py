@@ -100,8 +100,8 @@ class Shortfall:
                 "need less, but they are planned from a profile, and profiling needs at least this pass under "
                 "checkpointing: they cannot be profiled within this budget either."
             )
-        elif not self.why:
-            parts.append("The `full` plan's peak could not be measured.")
+        elif self.why:
+            parts.append("The `full` plan's peak could not be measured: a block cannot be run again as its forward ran.")
         smaller = f" (to {self.largest_batch})" if self.largest_batch and self.largest_batch < self.batch_size else ""
         shorter = f" (to {self.longest_tokens} tokens)" if self.longest_tokens else ""
         parts.append(
