@@ -24,8 +24,16 @@ _LOOKUPS = frozenset({"aten::embedding", "aten::index_select"})
 _NO_META = frozenset({"aten::_local_scalar_dense", "aten::item"})  # read data: nothing to check, no meta kernel
 
 
-def _bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+_KINDS: dict[Any, int] = {}  # op overload -> how its results' size is read: 0 inputs, 1 broadcast, 2 matmul, 3 lookup
+
+
+def _kind(func: Any) -> int:
+    kind = _KINDS.get(func)
+    if kind is None:
+        name = getattr(getattr(func, "_schema", None), "name", "")
+        pointwise = torch.Tag.pointwise in getattr(func, "tags", ())
+        kind = _KINDS[func] = 1 if pointwise else 2 if name in _MATMULS else 3 if name in _LOOKUPS else 0
+    return kind
 
 
 def bound_bytes(func: Any, flat: list[torch.Tensor]) -> int | None:
@@ -33,20 +41,18 @@ def bound_bytes(func: Any, flat: list[torch.Tensor]) -> int | None:
     input (a factory: its sizes are in its other arguments)."""
     if not flat:
         return None
-    name = getattr(getattr(func, "_schema", None), "name", "")
-    size = max(_bytes(t) for t in flat)
-    guess = max(size, sum(_bytes(t) for t in flat))
-    if torch.Tag.pointwise in getattr(func, "tags", ()):
-        try:
-            guess = max(guess, math.prod(torch.broadcast_shapes(*(t.shape for t in flat))) * max(t.element_size() for t in flat))
-        except RuntimeError:
-            pass
-    elif name in _MATMULS and len(flat) >= 2:
+    guess = sum(t.numel() * t.element_size() for t in flat)  # (at least the largest: `cat`, gradients like inputs)
+    kind = _kind(func)
+    if kind == 1 and len(flat) > 1 and any(t.shape != flat[0].shape for t in flat):
+        ndim = max(t.dim() for t in flat)
+        numel = math.prod(max(t.shape[-i] if t.dim() >= i else 1 for t in flat) for i in range(1, ndim + 1))
+        guess = max(guess, numel * max(t.element_size() for t in flat))  # the broadcast
+    elif kind == 2 and len(flat) >= 2:
         a, b = flat[-2], flat[-1]
         if a.dim() >= 2 and b.dim() >= 2:
             guess = max(guess, math.prod(a.shape[:-1]) * b.shape[-1] * a.element_size())
-    elif name in _LOOKUPS and len(flat) >= 2:
-        weight, index = (flat[0], flat[1]) if name == "aten::embedding" else (flat[0], flat[-1])
+    elif kind == 3 and len(flat) >= 2:
+        weight, index = (flat[0], flat[1]) if func is torch.ops.aten.embedding.default else (flat[0], flat[-1])
         guess = max(guess, index.numel() * (weight.numel() // max(1, weight.shape[0])) * weight.element_size())
     return guess
 

@@ -246,11 +246,11 @@ class LiveBytesTracker(TorchDispatchMode):
     def check_before(self, func: Any, args: tuple, kwargs: dict | None, flat: list[torch.Tensor]) -> None:
         """With a limit, `LiveBytesOverLimit` before op `func` runs when its results would take what is held
         over it (`limit_check`: near the limit the op is first run on the meta device; `flat`: its tensors)."""
-        if self.limit_bytes is None or is_issued_collective(func):
+        if self.limit_bytes is None:
             return
-        held = self.held_bytes()
+        held = self.live_bytes - self.released_bytes + self.extra_held_bytes
         bound = bound_bytes(func, flat)
-        if bound is not None and held + 2 * max(bound, self.largest_bytes) <= self.limit_bytes:
+        if (bound is not None and held + 2 * max(bound, self.largest_bytes) <= self.limit_bytes) or is_issued_collective(func):
             return
         new = result_bytes(func, args, kwargs)
         if new is not None and held + new > self.limit_bytes:
