@@ -130,11 +130,14 @@ def longest_length(family: Any, shape: BatchShape, fits: Callable[[Callable[...,
     return lo
 
 
-def longest_by_prefixes(length: int, done: Sequence[int], profile_at: Callable[[int], Profile]) -> tuple[int, int]:
+def longest_by_prefixes(
+    length: int, done: Sequence[int], profile_at: Callable[[int], Profile],
+) -> tuple[int, int, tuple[int, ...]]:
     """When the sequence of `length` tokens could not be costed: the longest prefix that is profiled within the
     budget, under checkpointing, between the longest of `done` and `length` (bounded passes, bisecting:
-    `profiling.profile_refusal.longest_prefix`); each profile made is kept by `profile_at`. -> (the longest
-    that fit, 0 when none did; the shortest tried)."""
+    `profiling.profile_refusal.longest_prefix`); each profile made is kept by `profile_at` (with enough of
+    them, the fit may cost the whole after all). -> (the longest that fit, 0 when none did; the shortest
+    tried; the lengths profiled)."""
     lo = max((x for x in done if x < length), default=0)
 
     def pass_at(x: int) -> int | None:
@@ -145,19 +148,20 @@ def longest_by_prefixes(length: int, done: Sequence[int], profile_at: Callable[[
         except SampleTooLong:
             return None
 
-    longest, shortest, _ = longest_prefix(length, pass_at, lo=lo)
-    return longest, shortest
+    longest, shortest, held = longest_prefix(length, pass_at, lo=lo)
+    return longest, shortest, tuple(sorted(held))
 
 
 def too_long(
     shape: BatchShape, length: int | None, profiled: Sequence[int], why_not: str | None,
-    shortfall: Shortfall | None = None, longest: tuple[int, int] | None = None, passes: dict[int, int] | None = None,
+    shortfall: Shortfall | None = None, longest: tuple[int, int, tuple[int, ...]] | None = None,
+    passes: dict[int, int] | None = None, planned: bool = False,
 ) -> InfeasibleBudgetError:
     """The error for a batch of one sample that could not be costed: too long to profile whole within
     the budget, with too few prefixes that fit (or none could be cut). With `shortfall` (what the pass on the
     whole sample measured when it was stopped), the numbers: the `full` plan's peak at least, about as
     extrapolated from `passes` ({length: bytes} of prefixes profiled under checkpointing), and `longest`
-    (`longest_by_prefixes`)."""
+    (`longest_by_prefixes`); `planned`: its prefixes did cost it in the end, and no plan fits."""
     got = f"only the prefixes of length(s) {', '.join(map(str, profiled))} fit" if profiled else "no prefix of it fit"
     need = f"at least {MIN_FIT_LENGTHS} prefixes up to 1/{EXTRAPOLATE:g} of its length"
     extra = f" (prefixes could not be cut: {why_not})" if why_not else ""
@@ -173,6 +177,8 @@ def too_long(
         longest_tokens=None if longest is None else longest[0], shortest_tokens=None if longest is None else longest[1],
         estimate_bytes=None if estimate is None else shortfall.outside_bytes + estimate,
         estimate_from=f"extrapolated from the passes on prefixes of {', '.join(map(str, sorted(passes or ())))} tokens "
-                      "under checkpointing",
+                      "under checkpointing", nested_planned=planned,
     )
+    if planned:
+        return ProfileRefused(found)
     return ProfileRefused(found, f"{found.message()} Of its prefixes {fit}.")

@@ -148,6 +148,7 @@ class ShapePlans:
             family.seen.setdefault(sample_key(shape), shape)
             found = family.cost_of(shape)
         lengths: tuple[int, ...] = ()
+        longest = None
         t0 = time.perf_counter()
         if found is None and batch is None:
             raise ValueError(
@@ -163,12 +164,21 @@ class ShapePlans:
             except SampleTooLong as err:  # one sample no pass fits, its prefixes not cut: refused with the numbers
                 raise too_long(shape, family.length(shape), (), self.slice_error, err.shortfall) from None
             found = family.cost_of(shape)
+            if found is None and self.whole_shortfall is not None and self.slice_lengths:  # the longest prefix that fits
+                longest = longest_by_prefixes(family.length(shape), lengths, self._prefix_profiler(family, batch, shape))
+                lengths = tuple(sorted({*lengths, *longest[2]}))
+                found = family.cost_of(shape)  # (its profiles may be enough for the fit to cost the whole)
             if found is None:  # one sample too long to profile whole, and its prefixes too few to fit
-                raise self._too_long(family, batch, shape, lengths)
+                raise self._too_long(family, shape, lengths, longest)
         profile_s = time.perf_counter() - t0
         cost_of, source = found
         t1 = time.perf_counter()
-        plan = self.plan_fn(cost_of, shape)
+        try:
+            plan = self.plan_fn(cost_of, shape)
+        except InfeasibleBudgetError:
+            if longest is None:
+                raise
+            raise self._too_long(family, shape, lengths, longest, planned=True) from None  # (with what was measured)
         plan_s = time.perf_counter() - t1
         self.profile_s += profile_s
         self.plan_s += plan_s
@@ -314,18 +324,18 @@ class ShapePlans:
             done += (x,)
         return done
 
-    def _too_long(self, family: ShapeFamily, batch: Any, shape: BatchShape, lengths: tuple[int, ...]) -> InfeasibleBudgetError:
-        """The refusal of a batch of one sample its prefixes could not cost: with what the pass on the whole
-        measured, the longest prefix that fits (bounded passes under checkpointing, `longest_by_prefixes`), and
-        the bytes of those profiled under checkpointing to extrapolate from."""
-        x, short, longest = family.length(shape), self.whole_shortfall, None
-        if short is not None and x is not None and self.slice_lengths:
-            longest = longest_by_prefixes(x, lengths, self._prefix_profiler(family, batch, shape))
+    def _too_long(
+        self, family: ShapeFamily, shape: BatchShape, lengths: tuple[int, ...],
+        longest: tuple[int, int, tuple[int, ...]] | None, planned: bool = False,
+    ) -> InfeasibleBudgetError:
+        """The refusal of a batch of one sample its prefixes could not cost (`planned`: costed after the search for
+        the longest prefix, no plan fits), with what the pass on the whole measured, the `longest` prefix that
+        fits (`longest_by_prefixes`), and the bytes of the prefixes profiled under checkpointing to extrapolate from."""
         passes = {
             family.length(s): int(p.probes[0].meta["pass_bytes"]) for s, p, _ in family.profiles.values()
             if p.probes[0].meta.get("under_checkpointing") and family.length(s) is not None and s.batch_size == 1
         }
-        return too_long(shape, x, lengths, self.slice_error, short, longest, passes)
+        return too_long(shape, family.length(shape), lengths, self.slice_error, self.whole_shortfall, longest, passes, planned)
 
     def _prefix_profiler(self, family: ShapeFamily, batch: Any, shape: BatchShape) -> Callable[[int], Profile]:
         """Profile the batch of one sample at a prefix of its sequence (whole at its own length) and keep the

@@ -48,6 +48,7 @@ class Shortfall:
     estimate_high_bytes: int | None = None  # with `estimate_bytes`, a range
     estimate_from: str = ""
     pass_words: str = ""  # what the stopped pass was, when not a profiling pass
+    nested_planned: bool = False  # costed from prefixes of the sequence all the same: no plan fits, nested ones included
 
     @property
     def room_bytes(self) -> int:
@@ -94,7 +95,12 @@ class Shortfall:
             )
         elif self.longest_tokens == 0:
             parts.append(f"No sample fits: not even a prefix of {self.shortest_tokens} token(s) under checkpointing.")
-        if self.recompute:
+        if self.nested_planned:
+            parts.append(
+                "Costed from its prefixes all the same (the fit through them, extrapolated to its length), no plan "
+                "fits either, multi-level ones (policy='optimal' with max_levels=2) included."
+            )
+        elif self.recompute:
             parts.append(
                 "Multi-level plans (policy='optimal' with max_levels=2) hold fewer block boundaries than `full` and may "
                 "need less, but they are planned from a profile, and profiling needs at least this pass under "
