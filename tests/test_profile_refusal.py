@@ -1,7 +1,7 @@
 """A batch no pass can profile within the budget is refused before any pass goes over it, with the numbers:
 every call is watched by a live-storage count of the test's own (`storage_oracle`), which never goes over the
 budget; the `full` plan's peak the message bounds from below is checked against planning's prediction, and
-the longest sequence it names is trained at, measured within the budget, one token more refused."""
+the longest sequence it names is trained at, measured within the budget."""
 
 from __future__ import annotations
 
@@ -79,8 +79,8 @@ def test_a_budget_below_the_full_plan_at_batch_one_is_refused_before_any_pass_go
 def test_one_long_sequence_is_refused_with_the_longest_length_that_fits_which_then_trains_within_the_budget():
     """Batch 1 of 64 tokens: unplanned and under checkpointing the whole sequence does not fit, and only one
     prefix does (too few to fit the length): bounded passes on prefixes under checkpointing find the longest that
-    fits. A batch of that length is then planned and its step measured within the budget; one token more is
-    refused."""
+    fits (the search's prefixes then cost it, and no plan fits, multi-level ones included). A batch of that
+    length is then planned and its step measured within the budget."""
     torch.manual_seed(0)
     model = TinyChain(n_blocks=4, d=32)
 
@@ -100,8 +100,8 @@ def test_one_long_sequence_is_refused_with_the_longest_length_that_fits_which_th
     assert mode.peak <= budget, (mode.peak, budget)
     longest = refused.value.shortfall.longest_tokens
     assert re.search(rf"the `full` plan's peak at batch 1 is at least .*, about .* extrapolated from the passes on "
-                     rf"prefixes of .*{longest} tokens under checkpointing\. .*the sequence length \(to {longest} tokens\)",
-                     str(refused.value)), str(refused.value)
+                     rf"prefixes of .*{longest} tokens under checkpointing\. .* no plan fits either, multi-level ones .* "
+                     rf"the sequence length \(to {longest} tokens\)\.$", str(refused.value)), str(refused.value)
     handle = checkpointed(longest)
     batch = tokens_batch(1, longest, seed=3)
     with LiveStorages() as mode:
@@ -110,10 +110,6 @@ def test_one_long_sequence_is_refused_with_the_longest_length_that_fits_which_th
         loss(batch).backward()
     handle.remove()
     assert handle.plan.fits and mode.peak <= budget, (mode.peak, budget)
-    for p in model.parameters():
-        p.grad = None
-    with pytest.raises(InfeasibleBudgetError, match=rf"length {longest + 1}\) was refused before profiling went over"):
-        checkpointed(longest + 1)
 
 
 class _OtherBranchAgain(nn.Module):
