@@ -95,7 +95,6 @@ def _lightning_steps(model, loss, batches, optimizer, handle=None) -> list[tuple
     return out
 
 
-@pytest.mark.filterwarnings("ignore:lightning-ckpt. profiling could not stay within")  # 0.3: profiled above it
 @pytest.mark.parametrize("share", [0.3, 0.5])
 def test_blocks_none_on_diffusers_test_unet_stays_within_a_tight_budget_as_predicted(fixed_rates, share):
     """Budget: what a step finds alive (state, last step's gradients, the batch) + `share` of the unplanned step's

@@ -13,11 +13,14 @@ import torch
 import torch.nn.functional as F
 from level_models import tiny_convnext, tiny_funnel, tiny_llava, tiny_reformer, tiny_swin, tiny_unet_conditional
 from models import MLPBlock
+from storage_oracle import LiveStorages
 from torch import nn
 
+from lightning_ckpt import InfeasibleBudgetError
 from lightning_ckpt.engine.chain_levels import ChainScore, choose_chain, describe_nothing_saved
 from lightning_ckpt.profiling.call_sequence import record_calls
 from lightning_ckpt.profiling.discovery import ChainChoice, discover_chain
+from lightning_ckpt.profiling.profile_budget import SliceRoom
 
 
 def _by_size(choice: ChainChoice) -> dict[int, ChainChoice]:
@@ -71,6 +74,37 @@ def test_an_encoder_run_on_two_views_gives_each_block_twice():
     ]  # the first view's stem saves only the batch, which is not counted
     assert choice.covered_bytes == sum(choice.entry_saved_bytes) and 0.8 * choice.step_bytes < choice.covered_bytes
     assert "6 blocks from encoder.blocks.0#0 to encoder.blocks.2#1 (calls of 3 modules)" in str(choice)
+
+
+def test_the_chain_is_read_within_the_room_on_one_sample_when_two_do_not_fit_or_the_batch_is_refused():
+    """The forward that reads the chain holds no more than the room profiling has (a live-storage count of the
+    test's own, `storage_oracle`): between what one sample and two need, it reads one; below one, it refuses."""
+    torch.manual_seed(0)
+    model = _Encoder(d=16)
+
+    def loss(x):
+        return model(x).square().mean()
+
+    batch = torch.randn(4, 256, 16)
+    outside = sum(p.untyped_storage().nbytes() for p in model.parameters()) + batch.untyped_storage().nbytes()
+
+    def reading(n: int) -> int:
+        with LiveStorages() as mode:
+            record_calls(model, loss, batch[:n].clone())
+        return mode.peak
+
+    one, two = reading(1), reading(2)
+    for budget in (outside + (one + two) // 2, outside + one // 2):
+        with LiveStorages() as mode:
+            mode.count([*model.parameters(), batch])
+            if budget - outside > one:
+                choice = discover_chain(model, loss, batch, room=SliceRoom(budget, outside))
+                assert choice.names == tuple(f"blocks.{i}" for i in range(3))
+            else:
+                with pytest.raises(InfeasibleBudgetError, match=r"a pass on 1 sample\(s\) reading which blocks there are "
+                                   r"\(blocks=None: a forward with nothing saved for backward.* at least "):
+                    discover_chain(model, loss, batch, room=SliceRoom(budget, outside))
+        assert mode.peak <= budget, (mode.peak, budget, one, two)
 
 
 class _WithTarget(nn.Module):

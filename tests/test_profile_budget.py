@@ -24,17 +24,19 @@ from hf_models import LitHF, PaddedTextData, tiny_bert
 from lit_models import make_trainer
 from malloc_oracle import MallocPeak, heap_in_use_bytes
 from models import TinyChain, tokens_batch
+from storage_oracle import LiveStorages, step_state
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from train_encoder import EncoderClassifier
 
-from lightning_ckpt import ActivationCheckpointing, auto_checkpoint, make_plan
+from lightning_ckpt import ActivationCheckpointing, InfeasibleBudgetError, auto_checkpoint, make_plan
 from lightning_ckpt.engine.step_profile import profile_model
 from lightning_ckpt.engine.target_plan import cost_at
 from lightning_ckpt.profiling.blocks import resolve_blocks
 from lightning_ckpt.profiling.profile_budget import MARGIN, ProfileBudget, ProfileBudgetError, SliceRoom, smaller_probes
 from lightning_ckpt.profiling.static_memory import static_memory
+from lightning_ckpt.units import format_bytes
 
 MiB = 2**20
 WITHIN = 1.05  # profiling's measured peak, as a share of the budget
@@ -95,31 +97,39 @@ def test_a_check_slice_that_would_not_fit_is_shrunk_and_every_pass_fits():
     assert len(said) == 1 and "a check slice of 3 samples: unplanned, 4 samples are predicted to need" in said[0]
 
 
-def test_probes_that_cannot_fit_run_over_the_budget_once_with_a_warning_that_says_what_they_held():
-    """The first probe is stopped at the room (nothing smaller than (1, 2)), and again under checkpointing:
-    the probes run over the budget under checkpointing, the state as found after each, one line says the
-    profile went under checkpointing and one warning gives what the probes held and the budget to set."""
+def test_probes_that_cannot_fit_even_under_checkpointing_are_refused_before_any_pass_goes_over_the_budget():
+    """The first probe is stopped at the room (nothing smaller than (1, 2)), and again under checkpointing at 2
+    samples: the batch is refused with what was measured, the `full` plan's peak at least what the stopped pass
+    held, and the largest batch that fits (1); a live-storage count of the test's own never goes over the
+    budget, the state is as found, and one line says the profile went under checkpointing. A budget below what
+    stays resident is refused before any pass, in the words planning uses."""
     model, blocks, names, loss = _chain()
     batch = tokens_batch(8, 24)
+    free = profile_model(model, blocks, loss, batch, names=names, timing=False)
     before = [p.detach().clone() for p in model.parameters()]
     rng = torch.get_rng_state()
     outside = static_memory(model).resident_bytes
+    full = make_plan(cost_at(free, 8, static_memory(model)), "full").predicted_peak_bytes
     lines: list[str] = []
     budget = ProfileBudget(outside + 64 * 1024, outside, info=lines.append)
-    with pytest.warns(UserWarning) as told:
-        profile = profile_model(model, blocks, loss, batch, names=names, timing=False, budget=budget)
-    said = [str(w.message) for w in told if "lightning-ckpt" in str(w.message)]
-    assert len(said) == 1, said
-    assert re.match(r"lightning-ckpt: profiling could not stay within memory_budget=.*: even under checkpointing "
-                    r".*, \d sample\(s\) of the batch need more than the .* it leaves beside .* profiled over it on "
-                    r"probe_batch_sizes=\(1, 2\), holding .*raise memory_budget to .* or more", said[0]), said[0]
+    with LiveStorages() as mode:
+        mode.count(step_state(model) + list(batch))
+        with pytest.raises(InfeasibleBudgetError) as refused:
+            profile_model(model, blocks, loss, batch, names=names, timing=False, budget=budget)
+    short = refused.value.shortfall
+    assert mode.peak <= budget.budget_bytes < short.at_least_bytes <= full, (mode.peak, short, full)
+    assert re.fullmatch(
+        rf"lightning-ckpt: the training batch of shape \(batch 8, tensors \[8, 24\], \[8\]\) was refused before profiling "
+        rf"went over memory_budget={re.escape(format_bytes(budget.budget_bytes))}: .* a pass on 2 sample\(s\) under "
+        rf"checkpointing .* so the `full` plan's peak at batch 8 is at least {re.escape(format_bytes(short.at_least_bytes))}, "
+        r"about .* from the pass\(es\) on 1 sample\(s\) that fit\. The largest batch that fits is 1\. Multi-level plans .* "
+        rf"Raise memory_budget above {re.escape(format_bytes(short.at_least_bytes))}, or lower target_batch_size \(to 1\) "
+        r"or the sequence length\.", str(refused.value)), str(refused.value)
     assert any("the step is profiled under checkpointing instead" in line for line in lines), lines
-    assert [p.batch_size for p in profile.probes] == [1, 2] and profile.check is None
-    assert all(p.meta["under_checkpointing"] for p in profile.probes)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and torch.equal(rng, torch.get_rng_state())
     assert all(p.grad is None for p in model.parameters())
-    with warnings.catch_warnings():  # below what stays resident: nothing to say here, planning says nothing fits
-        warnings.simplefilter("error")
+    with pytest.raises(InfeasibleBudgetError, match=r"not even batch size 1 fits: the model's state takes .* over it "
+                       r"before any activation\. Lower target_batch_size or raise memory_budget\.$"):
         profile_model(model, blocks, loss, batch, names=names, timing=False, budget=ProfileBudget(1, outside))
 
 

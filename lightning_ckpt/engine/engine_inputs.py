@@ -18,7 +18,7 @@ from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.engine.target_plan import PlanRequest
 from lightning_ckpt.planning.plan import Plan
-from lightning_ckpt.profiling.profile_budget import ProfileBudget
+from lightning_ckpt.profiling.profile_budget import ProfileBudget, SliceRoom
 from lightning_ckpt.profiling.static_memory import StaticMemory
 
 
@@ -81,6 +81,18 @@ class StepDriver(Protocol):
     def info(self, message: str) -> None: ...
 
     def warn(self, message: str) -> None: ...
+
+
+def reading_room(driver: StepDriver, budget_bytes: int | None, model: torch.nn.Module, batch: Any) -> SliceRoom | None:
+    """The room the forward that reads which blocks there are (`profiling.discovery`) may hold beside `batch`:
+    profiling's (the budget less the static memory, the optimizer state once it exists, the gradients alive
+    and the batch); None without a budget."""
+    if budget_bytes is None:
+        return None
+    static = driver.static_memory()
+    state = getattr(driver, "optimizer_state_exists", lambda: True)()  # none before the first step
+    resident = static.resident_bytes - (0 if state else static.optimizer_state_bytes)
+    return ProfileBudget(budget_bytes, resident).room_for(model, batch)
 
 
 def allowed_python_state(profile: Profile, allow: bool | Sequence[str], names: Sequence[str]) -> Profile:

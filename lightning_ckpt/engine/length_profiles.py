@@ -14,13 +14,12 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
 from lightning_ckpt.costs.block_costs import StepCost
 from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.planning.policies import InfeasibleBudgetError
 from lightning_ckpt.planning.shape_profile import FIT_TOLERANCE, MIN_FIT_LENGTHS, ShapeProfile, checked_bytes
-from lightning_ckpt.profiling.profile_budget import MARGIN, SampleTooLong, checkpointed_first, released
+from lightning_ckpt.profiling.profile_budget import MARGIN, SampleTooLong, checkpointed_first, predicted_pass_bytes, released
+from lightning_ckpt.profiling.profile_refusal import ProfileRefused, Shortfall, longest_prefix
 from lightning_ckpt.profiling.shapes import BatchShape
 from lightning_ckpt.units import format_bytes
 
@@ -31,22 +30,6 @@ EXTRAPOLATE = 2.0  # at batch 1 the fit may cost a length up to this many times 
 # of a run that keeps growing), the reserve then at most 1.56x the checked miss
 GROW = 1.25
 RoomFn = Callable[[], "int | None"]  # the bytes a profiling pass may hold (None: not known)
-
-
-def predicted_pass_bytes(passes: dict[int, int], length: int) -> int | None:
-    """The bytes a pass at `length` will hold, from the passes measured at shorter prefixes: the
-    polynomial of degree at most 2 through them, or from one pass in proportion to the square of the
-    length (attention's scores); None before any pass."""
-    if not passes:
-        return None
-    xs = sorted(passes)
-    longer = [passes[x] for x in xs if x >= length]
-    if longer:  # a shorter prefix holds at most what a longer one did
-        return min(longer)
-    if len(xs) == 1:
-        return int(math.ceil(passes[xs[0]] * (length / xs[0]) ** 2))
-    coef = np.polynomial.polynomial.polyfit(xs, [passes[x] for x in xs], min(2, len(xs) - 1))
-    return int(math.ceil(max(float(np.polynomial.polynomial.polyval(length, coef)), passes[xs[-1]])))
 
 
 def profile_lengths(
@@ -147,15 +130,55 @@ def longest_length(family: Any, shape: BatchShape, fits: Callable[[Callable[...,
     return lo
 
 
-def too_long(shape: BatchShape, length: int | None, profiled: Sequence[int], why_not: str | None) -> InfeasibleBudgetError:
+def longest_by_prefixes(
+    length: int, done: Sequence[int], profile_at: Callable[[int], Profile],
+) -> tuple[int, int, tuple[int, ...]]:
+    """When the sequence of `length` tokens could not be costed: the longest prefix that is profiled within the
+    budget, under checkpointing, between the longest of `done` and `length` (bounded passes, bisecting:
+    `profiling.profile_refusal.longest_prefix`); each profile made is kept by `profile_at` (with enough of
+    them, the fit may cost the whole after all). -> (the longest that fit, 0 when none did; the shortest
+    tried; the lengths profiled)."""
+    lo = max((x for x in done if x < length), default=0)
+
+    def pass_at(x: int) -> int | None:
+        released()
+        try:
+            with checkpointed_first():
+                return int(profile_at(x).probes[0].meta.get("pass_bytes", 0))
+        except SampleTooLong:
+            return None
+
+    longest, shortest, held = longest_prefix(length, pass_at, lo=lo)
+    return longest, shortest, tuple(sorted(held))
+
+
+def too_long(
+    shape: BatchShape, length: int | None, profiled: Sequence[int], why_not: str | None,
+    shortfall: Shortfall | None = None, longest: tuple[int, int, tuple[int, ...]] | None = None,
+    passes: dict[int, int] | None = None, planned: bool = False,
+) -> InfeasibleBudgetError:
     """The error for a batch of one sample that could not be costed: too long to profile whole within
-    the budget, with too few prefixes that fit (or none could be cut)."""
+    the budget, with too few prefixes that fit (or none could be cut). With `shortfall` (what the pass on the
+    whole sample measured when it was stopped), the numbers: the `full` plan's peak at least, about as
+    extrapolated from `passes` ({length: bytes} of prefixes profiled under checkpointing), and `longest`
+    (`longest_by_prefixes`); `planned`: its prefixes did cost it in the end, and no plan fits."""
     got = f"only the prefixes of length(s) {', '.join(map(str, profiled))} fit" if profiled else "no prefix of it fit"
     need = f"at least {MIN_FIT_LENGTHS} prefixes up to 1/{EXTRAPOLATE:g} of its length"
     extra = f" (prefixes could not be cut: {why_not})" if why_not else ""
-    return InfeasibleBudgetError(
-        f"the training batch of one sample ({shape.describe()}, length {length}) does not fit the room the memory "
-        f"budget leaves profiling without checkpointing, and {got}{extra}; costing it from its prefixes needs "
-        f"{need} to fit, so that a quadratic in the length can be fitted and checked. Raise memory_budget or "
-        "train on shorter sequences."
+    fit = f"{got}{extra}; costing it from its prefixes needs {need} to fit, so that a quadratic in the length can be fitted and checked"
+    if shortfall is None:
+        return InfeasibleBudgetError(
+            f"the training batch of one sample ({shape.describe()}, length {length}) does not fit the room the memory "
+            f"budget leaves profiling without checkpointing, and {fit}. Raise memory_budget or train on shorter sequences."
+        )
+    estimate = None if not passes or length is None else predicted_pass_bytes(passes, length)
+    found = dataclasses.replace(
+        shortfall, batch=f"{shape.describe()}, length {length}", length_tokens=length,
+        longest_tokens=None if longest is None else longest[0], shortest_tokens=None if longest is None else longest[1],
+        estimate_bytes=None if estimate is None else shortfall.outside_bytes + estimate,
+        estimate_from=f"extrapolated from the passes on prefixes of {', '.join(map(str, sorted(passes or ())))} tokens "
+                      "under checkpointing", nested_planned=planned,
     )
+    if planned:
+        return ProfileRefused(found)
+    return ProfileRefused(found, f"{found.message()} Of its prefixes {fit}.")

@@ -34,7 +34,7 @@ from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.units import format_bytes
 from lightning_ckpt.planning.shape_profile import FIT_TOLERANCE
-from lightning_ckpt.engine.length_profiles import longest_length, profile_lengths, too_long
+from lightning_ckpt.engine.length_profiles import longest_by_prefixes, longest_length, profile_lengths, too_long
 from lightning_ckpt.engine.plan_cache import PlanCache
 from lightning_ckpt.engine.shape_family import (  # noqa: F401 - BUCKET and sample_key are read from here too
     BUCKET,
@@ -46,7 +46,9 @@ from lightning_ckpt.engine.shape_family import (  # noqa: F401 - BUCKET and samp
     sample_key,
 )
 from lightning_ckpt.planning.shape_grid import grown_point
+from lightning_ckpt.costs.budget_error import InfeasibleBudgetError
 from lightning_ckpt.profiling.profile_budget import MARGIN, SampleTooLong
+from lightning_ckpt.profiling.profile_refusal import Shortfall
 from lightning_ckpt.profiling.shapes import (
     BatchShape,
     crop,
@@ -100,6 +102,7 @@ class ShapePlans:
         self.families: dict[tuple[int, ...], ShapeFamily] = {}
         self.plans: PlanCache = PlanCache()  # (shape without its batch size, batch size) -> ShapeDecision, bounded
         self.slice_error: str | None = None  # why prefixes of batches stopped being profiled
+        self.whole_shortfall: Shortfall | None = None  # what the pass on a whole sample measured when it was stopped
         self.profile_runs = 0  # profiles made (each a few small steps)
         self.profile_s = 0.0
         self.plan_s = 0.0
@@ -145,6 +148,7 @@ class ShapePlans:
             family.seen.setdefault(sample_key(shape), shape)
             found = family.cost_of(shape)
         lengths: tuple[int, ...] = ()
+        longest = None
         t0 = time.perf_counter()
         if found is None and batch is None:
             raise ValueError(
@@ -154,14 +158,27 @@ class ShapePlans:
                 "in the collator with lengths grouped across ranks), or train on one process."
             )
         if found is None:
-            lengths = self._profile(family, batch, shape)
+            self.whole_shortfall = None
+            try:
+                lengths = self._profile(family, batch, shape)
+            except SampleTooLong as err:  # one sample no pass fits, its prefixes not cut: refused with the numbers
+                raise too_long(shape, family.length(shape), (), self.slice_error, err.shortfall) from None
             found = family.cost_of(shape)
+            if found is None and self.whole_shortfall is not None and self.slice_lengths:  # the longest prefix that fits
+                longest = longest_by_prefixes(family.length(shape), lengths, self._prefix_profiler(family, batch, shape))
+                lengths = tuple(sorted({*lengths, *longest[2]}))
+                found = family.cost_of(shape)  # (its profiles may be enough for the fit to cost the whole)
             if found is None:  # one sample too long to profile whole, and its prefixes too few to fit
-                raise too_long(shape, family.length(shape), lengths, self.slice_error)
+                raise self._too_long(family, shape, lengths, longest)
         profile_s = time.perf_counter() - t0
         cost_of, source = found
         t1 = time.perf_counter()
-        plan = self.plan_fn(cost_of, shape)
+        try:
+            plan = self.plan_fn(cost_of, shape)
+        except InfeasibleBudgetError:
+            if longest is None:
+                raise
+            raise self._too_long(family, shape, lengths, longest, planned=True) from None  # (with what was measured)
         plan_s = time.perf_counter() - t1
         self.profile_s += profile_s
         self.plan_s += plan_s
@@ -229,6 +246,8 @@ class ShapePlans:
             part_shape = shape_of(part)
             try:
                 profile = self.profile_fn(part, False)
+            except InfeasibleBudgetError:  # a prefix whose passes do not fit beside the batch: no shorter ones
+                break
             except Exception as err:  # noqa: BLE001 - a prefix the model rejects: fit from full batches only
                 self.slice_error = f"{type(err).__name__}: {err}"
                 self.slice_lengths = False
@@ -253,6 +272,8 @@ class ShapePlans:
             part_shape = shape_of(part)
             try:
                 profile = self.profile_fn(part, False)
+            except InfeasibleBudgetError:  # a crop whose passes do not fit beside the batch: left out
+                continue
             except Exception as err:  # noqa: BLE001 - a crop the model rejects: each shape profiled from then on
                 self.slice_error = f"{type(err).__name__}: {err}"
                 self.slice_lengths = False
@@ -282,6 +303,8 @@ class ShapePlans:
         part_shape = shape_of(part)
         try:
             profile = self.profile_fn(part, False)
+        except InfeasibleBudgetError:  # its passes do not fit beside the batch: not grown
+            return False
         except Exception as err:  # noqa: BLE001 - a size the model rejects: each shape profiled from then on
             self.slice_error, self.slice_lengths = f"{type(err).__name__}: {err}", False
             return False
@@ -292,6 +315,31 @@ class ShapePlans:
     def _profile_tokens(self, family: ShapeFamily, batch: Any, shape: BatchShape) -> tuple[int, ...]:
         """A batch of one sample profiled on prefixes of its sequence, shortest first, and whole when it is
         predicted to fit (`engine.length_profiles.profile_lengths`)."""
+        x, profile_at = family.length(shape), self._prefix_profiler(family, batch, shape)
+        known = {family.length(s) for s, _, _ in family.profiles.values()}
+        room = None if self.room_fn is None else functools.partial(self.room_fn, batch)
+        done = profile_lengths(x, known, profile_at, room)
+        if x not in done and not self.slice_lengths:  # no prefix could be cut: the batch itself, as before
+            profile_at(x)
+            done += (x,)
+        return done
+
+    def _too_long(
+        self, family: ShapeFamily, shape: BatchShape, lengths: tuple[int, ...],
+        longest: tuple[int, int, tuple[int, ...]] | None, planned: bool = False,
+    ) -> InfeasibleBudgetError:
+        """The refusal of a batch of one sample its prefixes could not cost (`planned`: costed after the search for
+        the longest prefix, no plan fits), with what the pass on the whole measured, the `longest` prefix that
+        fits (`longest_by_prefixes`), and the bytes of the prefixes profiled under checkpointing to extrapolate from."""
+        passes = {
+            family.length(s): int(p.probes[0].meta["pass_bytes"]) for s, p, _ in family.profiles.values()
+            if p.probes[0].meta.get("under_checkpointing") and family.length(s) is not None and s.batch_size == 1
+        }
+        return too_long(shape, family.length(shape), lengths, self.slice_error, self.whole_shortfall, longest, passes, planned)
+
+    def _prefix_profiler(self, family: ShapeFamily, batch: Any, shape: BatchShape) -> Callable[[int], Profile]:
+        """Profile the batch of one sample at a prefix of its sequence (whole at its own length) and keep the
+        profile in `family`; a prefix that does not fit is `SampleTooLong` (the whole's shortfall kept)."""
         positions, x = family.positions(), family.length(shape)
 
         def profile_at(length: int) -> Profile:
@@ -299,8 +347,14 @@ class ShapePlans:
             part = batch if own else slice_length(batch, positions, length)
             try:
                 profile = self.profile_fn(part, own)
-            except SampleTooLong:
+            except SampleTooLong as err:
+                if own:
+                    self.whole_shortfall = err.shortfall or self.whole_shortfall
                 raise
+            except InfeasibleBudgetError as err:  # (what stays resident leaves a prefix no room)
+                if own:
+                    raise
+                raise SampleTooLong(str(err)) from None
             except Exception as err:  # noqa: BLE001 - a prefix the model rejects: the batch is profiled whole
                 if own:
                     raise
@@ -311,13 +365,7 @@ class ShapePlans:
             self.profile_runs += 1
             return profile
 
-        known = {family.length(s) for s, _, _ in family.profiles.values()}
-        room = None if self.room_fn is None else functools.partial(self.room_fn, batch)
-        done = profile_lengths(x, known, profile_at, room)
-        if x not in done and not self.slice_lengths:  # no prefix could be cut: the batch itself, as before
-            profile_at(x)
-            done += (x,)
-        return done
+        return profile_at
 
 
 @dataclass(frozen=True)

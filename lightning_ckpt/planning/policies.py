@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from lightning_ckpt.planning.chain_planner import ChainSolution, solve_chain
 from lightning_ckpt.costs.block_costs import StepCost
+from lightning_ckpt.costs.budget_error import InfeasibleBudgetError
 from lightning_ckpt.planning.memory_model import (
     predict_peak,
     segment_of,
@@ -50,10 +51,6 @@ from lightning_ckpt.planning.recompute_cost import (
 )
 
 POLICIES = ("none", "full", "every_k", "sqrt", "greedy", "optimal")
-
-
-class InfeasibleBudgetError(ValueError):
-    """No plan of the requested kind fits the memory budget."""
 
 
 # ----------------------------------------------------------------------------- greedy

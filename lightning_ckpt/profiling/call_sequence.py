@@ -7,6 +7,7 @@ once (`#nogradk` for its k-th call with autograd off).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import Counter
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from torch import nn
 from lightning_ckpt.profiling.batch import tensors_in
 from lightning_ckpt.profiling.blocks import plain_name
 from lightning_ckpt.profiling.state import preserved_state
-from lightning_ckpt.profiling.tracker import storage_bytes, storage_key
+from lightning_ckpt.profiling.tracker import LiveBytesTracker, storage_bytes, storage_key
 
 __all__ = ["CallSequence", "ModuleCall", "record_calls"]
 
@@ -100,18 +101,22 @@ class _Recorder:
         return None
 
 
-def record_calls(model: nn.Module, step_fn: Callable[[Any], Any], batch: Any) -> CallSequence:
+def record_calls(model: nn.Module, step_fn: Callable[[Any], Any], batch: Any, limit_bytes: int | None = None) -> CallSequence:
     """Run `step_fn(batch)` (a forward, no backward) with every module of `model` hooked; all state
-    is left as found. The batch's and the parameters' storages are not counted as saved."""
+    is left as found. The batch's and the parameters' storages are not counted as saved. With
+    `limit_bytes`, the forward is stopped by `LiveBytesOverLimit` before the tensors it makes hold more."""
     keys = {storage_key(p) for p in model.parameters()} | {storage_key(t) for t in tensors_in(batch)}
     rec = _Recorder(model, keys - {None})
     handles = []
     for m in model.modules():
         handles.append(m.register_forward_pre_hook(rec.pre))
         handles.append(m.register_forward_hook(rec.post, always_call=True))
+    tracker = LiveBytesTracker()
+    tracker.limit_bytes = limit_bytes
     try:
         with preserved_state(model), torch.autograd.graph.saved_tensors_hooks(rec.pack, _no_backward):
-            step_fn(batch)
+            with tracker if limit_bytes is not None else contextlib.nullcontext():
+                step_fn(batch)
     finally:
         for h in handles:
             h.remove()

@@ -15,6 +15,9 @@ from torch import nn
 
 from lightning_ckpt.profiling.batch import batch_size_of, slice_batch
 from lightning_ckpt.profiling.call_sequence import CallSequence, record_calls
+from lightning_ckpt.profiling.profile_budget import AT_LIMIT, SliceRoom, batch_bytes, reached_bytes, released, why_stopped
+from lightning_ckpt.profiling.profile_refusal import ProfileRefused, Shortfall
+from lightning_ckpt.profiling.shapes import shape_of
 from lightning_ckpt.units import format_bytes
 
 __all__ = ["ChainChoice", "discover_chain"]
@@ -300,14 +303,30 @@ def default_index(candidates: list[ChainChoice]) -> int:
 
 
 def discover_chain(
-    model: nn.Module, step_fn: Callable[[Any], torch.Tensor], batch: Any, probe_batch_size: int = 2
+    model: nn.Module, step_fn: Callable[[Any], torch.Tensor], batch: Any, probe_batch_size: int = 2,
+    room: SliceRoom | None = None,
 ) -> ChainChoice:
     """The default chain of `model` for `step_fn(batch)`, with the other levels' chains as its
     `alternatives` (see the module docstring), measured on a slice of `probe_batch_size` samples.
-    All state is left as found; no backward runs."""
-    small = slice_batch(batch, min(probe_batch_size, batch_size_of(batch)))
-    seq = record_calls(model, step_fn, small)
-    candidates = candidate_chains(model, seq, batch_size_of(small))
+    All state is left as found; no backward runs. With `room` (`profile_budget`), the forward stays
+    within it: stopped at it, it runs again on one sample, and stopped there too, the batch is
+    refused (`profile_refusal.ProfileRefused`) before anything went over the budget."""
+    size = min(probe_batch_size, batch_size_of(batch))
+    seq, reached = _read_calls(model, step_fn, batch, size, room)
+    if seq is None and size > 1:  # stopped at the room: one sample, when the model trains on one
+        try:
+            seq, one = _read_calls(model, step_fn, batch, 1, room)
+            size, reached = (1, one) if seq is None else (1, reached)
+        except ValueError:  # (a BatchNorm refuses one sample in training)
+            seq = None
+    if seq is None:
+        assert room is not None
+        raise ProfileRefused(Shortfall(
+            room.budget_bytes, room.outside_bytes, shape_of(batch).describe(), batch_size_of(batch), size, reached,
+            pass_words="reading which blocks there are (blocks=None: a forward with nothing saved for backward, less "
+                       "than any plan's step holds)",
+        ))
+    candidates = candidate_chains(model, seq, size)
     if not candidates:
         raise ValueError(
             f"{type(model).__name__} has no nn.ModuleList (or nn.Sequential of two or more modules of one class) "
@@ -317,3 +336,23 @@ def discover_chain(
     chosen = default_index(candidates)
     others = tuple(c for i, c in enumerate(candidates) if i != chosen)
     return replace(candidates[chosen], alternatives=others)
+
+
+
+def _read_calls(
+    model: nn.Module, step_fn: Callable[[Any], Any], batch: Any, size: int, room: SliceRoom | None,
+) -> tuple[CallSequence | None, int | None]:
+    """(`record_calls` on the first `size` samples of `batch` within `room`, None when it was stopped there;
+    what it held then); a `ProfileBudgetError` when the device itself ran out of memory."""
+    small = slice_batch(batch, size)
+    if room is None:
+        return record_calls(model, step_fn, small), None
+    limit, reason = room.room_bytes - batch_bytes(small), None
+    try:
+        return record_calls(model, step_fn, small, limit), None
+    except torch.OutOfMemoryError as err:  # its frames hold the forward's tensors: let go of them first
+        reason, reached = why_stopped(err), reached_bytes(err, room.room_bytes)
+    released()
+    if reason != AT_LIMIT:
+        raise room.refusal(size, reason)
+    return None, reached

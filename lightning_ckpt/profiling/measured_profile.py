@@ -1,7 +1,8 @@
 """A profile of the step: `probe_step` at two small slices of the batch and a check on a third, each within the
 memory budget (`profile_budget`), with the machine's rates measured once (`rates`) so that counted work can be
 turned into time. When even the smallest slices do not fit the room unplanned, they are profiled under
-checkpointing (`recompute_probe`), which holds about what the `full` plan holds and measures the same.
+checkpointing (`recompute_probe`), which holds about what the `full` plan holds and measures the same; when
+even those do not fit, the batch is refused (`profile_refusal`) before any pass goes over the budget.
 """
 
 from __future__ import annotations
@@ -20,11 +21,16 @@ from lightning_ckpt.profiling.applied_marks import refuse_marked
 from lightning_ckpt.profiling.batch import batch_size_of, slice_batch
 from lightning_ckpt.profiling.forward_passes import time_blocks as _time_blocks
 from lightning_ckpt.profiling.gather import sharded_world_size
-from lightning_ckpt.profiling.profile_budget import NoRoom, ProfileBudget, SliceRoom, check_within, optional_pass, probe_within
-from lightning_ckpt.profiling.profile_budget import AT_LIMIT, SampleTooLong, released, smaller_probes, wants_checkpointed_first
+from lightning_ckpt.profiling.profile_budget import NoRoom, ProfileBudget, SliceRoom, batch_bytes, check_within, optional_pass
+from lightning_ckpt.profiling.profile_budget import probe_within
+from lightning_ckpt.profiling.profile_budget import AT_LIMIT, SampleTooLong, predicted_pass_bytes, released, smaller_probes
+from lightning_ckpt.profiling.profile_budget import wants_checkpointed_first
+from lightning_ckpt.profiling.profile_refusal import ProfileRefused, Shortfall, longest_prefix
 from lightning_ckpt.profiling.profiler import StepFn, probe_step
 from lightning_ckpt.profiling.recompute_probe import RecomputeMismatch
+from lightning_ckpt.profiling.shapes import length_of, sequence_positions, shape_of, slice_length
 from lightning_ckpt.profiling.state import preserved_state
+from lightning_ckpt.profiling.tracker import unique_storage_bytes
 from lightning_ckpt.units import format_bytes
 
 __all__ = ["BATCHNORM_ONE_SAMPLE", "measure_profile"]
@@ -52,8 +58,8 @@ def measure_profile(
     fit is shrunk to the largest that is, or left out (one line says so); a pass that reaches the
     room left to it, or runs out of CUDA memory, is stopped, the state put back, and the profile goes
     on without it (smaller probes when it was a probe, with a warning). When even the smallest probes
-    do not fit, they are profiled over the budget with a warning that says what they held, and a
-    device out of memory there is a `ProfileBudgetError`.
+    do not fit under checkpointing, `ProfileRefused` (an `InfeasibleBudgetError`) says so with what was
+    measured, before any pass goes over the budget; a device out of memory there is a `ProfileBudgetError`.
 
     When the line through the two probes misses the check slice, the smallest probe is left out
     (`linear_fit.refit_without_smallest`): the probe and the check define the line, and a slice of
@@ -77,6 +83,8 @@ def measure_profile(
         raise ValueError(f"probe batch sizes must be two different positive integers, got {probe_batch_sizes}.")
     fixed = sharded_world_size(blocks) > 1
     room = None if budget is None or fixed else budget.room_for(model, batch)
+    if room is not None and room.room_bytes <= 0:  # what stays resident is over the budget alone: no pass can fit
+        raise ProfileRefused(Shortfall(room.budget_bytes, room.outside_bytes, shape_of(batch).describe(), n))
     if n == 1:  # one sample: one pass on the whole batch; lengths are the engine's (`engine.length_profiles`)
         return _one_sample_profile(model, blocks, step_fn, batch, names, timing and time_blocks, timing, rates, room)
     if max(sizes) > n:
@@ -146,8 +154,8 @@ def _first_probes(
     for that is refused with the sizes to set. With `room`, a probe stopped at its limit or out of CUDA
     memory gives way to probes half as large (at least `least`), with a warning; when they cannot be
     smaller, the probes start again under checkpointing (`recompute_probe`: the same measurements, about
-    what the `full` plan holds), with a line that says so; when even those cannot be smaller, they run
-    over the budget, with a warning that says what they held (out of device memory there:
+    what the `full` plan holds), with a line that says so; when even those cannot be smaller, or cannot be
+    made under checkpointing, the batch is refused (`ProfileRefused`; out of device memory there:
     `ProfileBudgetError`)."""
     under = room is not None and room.recompute
     try:
@@ -158,8 +166,7 @@ def _first_probes(
         smaller = smaller_probes(sizes, least)
         if smaller is None and short.reason != AT_LIMIT:  # the device itself is out of memory
             raise room.refusal(short.size, short.reason) from None
-        why = ""
-        if smaller is None and not under and room.bounded:  # nothing smaller fits unplanned: under checkpointing
+        if smaller is None and not under:  # nothing smaller fits unplanned: under checkpointing
             room.info(
                 f"lightning-ckpt: unplanned, {short.size} sample(s) do not fit the {format_bytes(max(0, room.room_bytes))} "
                 "the memory budget leaves profiling; the step is profiled under checkpointing instead (each block's "
@@ -171,13 +178,9 @@ def _first_probes(
                 )
             except RecomputeMismatch as err:
                 released()
-                why = f"not under checkpointing: {err}"
-        if smaller is None:  # nothing smaller fits: profiled over the budget, and said so
-            over = dataclasses.replace(room, bounded=False, recompute=under and not why)
-            found = _first_probes(model, blocks, step_fn, batch, sizes, check, names, timed, over, least)
-            if room.room_bytes > 0:  # (below what stays resident: planning says that nothing fits)
-                warnings.warn(found[3].over_budget(short.size, found[1], why), stacklevel=3)
-            return found
+                raise _refused(model, blocks, step_fn, batch, names, room, short, f"not under checkpointing: {err}") from None
+        if smaller is None:  # not even the smallest probes fit under checkpointing: refused, nothing over the budget
+            raise _refused(model, blocks, step_fn, batch, names, room, short) from None
         warnings.warn(
             f"lightning-ckpt: profiling on {short.size} samples was stopped ({short.reason}); the step is profiled "
             f"at probe_batch_sizes={smaller} instead of {sizes}.",
@@ -214,7 +217,7 @@ def _one_sample_profile(
 ) -> Profile:
     """The profile of a batch of one sample: one pass on it, within `room` (else `SampleTooLong`, the state
     put back), as a profile at batch size 1 only (`Profile.one_size`)."""
-    probe = None
+    probe = unplanned = None
     if room is None or not wants_checkpointed_first():
         try:
             probe = probe_within(room, 1, _pass(model, blocks, step_fn, batch, 1, names, timed))
@@ -222,13 +225,20 @@ def _one_sample_profile(
             released()
             if short.reason != AT_LIMIT or room is None:
                 raise SampleTooLong(short.reason) from None
+            unplanned = short
     if probe is None:  # unplanned it does not fit: under checkpointing, the whole sample at once
         room = room.under_checkpointing()
         try:
             probe = probe_within(room, 1, _pass(model, blocks, step_fn, batch, 1, names, timed, True))
         except (NoRoom, RecomputeMismatch) as short:
             released()
-            raise SampleTooLong(short.reason if isinstance(short, NoRoom) else f"{AT_LIMIT}; {short}") from None
+            stopped = short if isinstance(short, NoRoom) else unplanned
+            why = "" if isinstance(short, NoRoom) else f"not under checkpointing: {short}"
+            shortfall = None if stopped is None else Shortfall(
+                room.budget_bytes, room.outside_bytes, shape_of(batch).describe(), 1, 1, stopped.reached_bytes,
+                recompute=not why, why=why,
+            )
+            raise SampleTooLong(short.reason if isinstance(short, NoRoom) else f"{AT_LIMIT}; {short}", shortfall) from None
         room.info(
             "lightning-ckpt: the batch's one sample does not fit the room the memory budget leaves profiling "
             "unplanned; it was profiled under checkpointing (each block's saved tensors rebuilt in its backward: "
@@ -241,6 +251,82 @@ def _one_sample_profile(
     if rates is not None:
         probe = _with_rates(probe, rates)
     return Profile(probes=(probe, probe), check=None)
+
+
+def _refused(
+    model: nn.Module, blocks: Sequence[nn.Module], step_fn: StepFn, batch: Any, names: Sequence[str] | None,
+    room: SliceRoom, short: NoRoom, why: str = "",
+) -> ProfileRefused:
+    """The refusal of `batch` after the probe `short` was stopped (under checkpointing when `room.recompute`;
+    unplanned, for `why`, when not): the passes that fit say the largest batch and an estimate at the batch's
+    size; when not even one sample fits under checkpointing, bounded passes on prefixes of one sample say the
+    longest sequence that fits (`longest_prefix`)."""
+    n = batch_size_of(batch)
+    fitted = {**room.unplanned, **room.passes} if room.recompute else dict(room.passes)
+    estimate = high = from_what = None
+    if room.passes and n > max(room.passes):
+        estimate, high = _scaled(model, room, n)
+        from_what = f"from the pass(es) on {', '.join(map(str, sorted(room.passes)))} sample(s) that fit"
+    longest = shortest = length = None
+    if room.recompute and not fitted:
+        found = _longest_prefix(model, blocks, step_fn, batch, names, room)
+        if found is not None:
+            length, longest, shortest, held = found
+            if held:
+                estimate = room.outside_bytes + predicted_pass_bytes(held, length)
+                from_what = (f"at batch 1, extrapolated from the passes on prefixes of {', '.join(map(str, sorted(held)))} "
+                             "tokens under checkpointing")
+    return ProfileRefused(Shortfall(
+        room.budget_bytes, room.outside_bytes, shape_of(batch).describe(), n, short.size, short.reached_bytes,
+        recompute=room.recompute, fitted=tuple(sorted(fitted.items())), why=why, length_tokens=length,
+        longest_tokens=longest, shortest_tokens=shortest, estimate_bytes=estimate, estimate_high_bytes=high,
+        estimate_from=from_what or "",
+    ))
+
+
+def _scaled(model: nn.Module, room: SliceRoom, n: int) -> tuple[int, int | None]:
+    """The step's peak at `n` samples from the passes that fit: on the line through two; from one, a range
+    (the gradients the pass makes held fixed, below; all of it in proportion to the slice, above)."""
+    if len(room.passes) >= 2:
+        return room.outside_bytes + room.predict(n), None
+    [(size, held)] = room.passes.items()
+    grads = unique_storage_bytes(p for p in model.parameters() if p.requires_grad and p.grad is None)
+    fixed = min(grads, held)
+    low = fixed + (held - fixed) * n // size
+    return room.outside_bytes + low, room.outside_bytes + held * n // size
+
+
+def _longest_prefix(
+    model: nn.Module, blocks: Sequence[nn.Module], step_fn: StepFn, batch: Any, names: Sequence[str] | None,
+    room: SliceRoom,
+) -> tuple[int, int, int, dict[int, int]] | None:
+    """For a batch of sequences: (its length, the longest prefix of one sample that fits `room` under
+    checkpointing, the shortest tried, {length: bytes} of those that fit); None for a batch with no token
+    dimension, or one whose prefixes the model rejects."""
+    one = slice_batch(batch, 1)
+    positions = sequence_positions(shape_of(one))
+    length = length_of(shape_of(one), positions) if positions else None
+    if length is None or length < 2:
+        return None
+
+    # the sample cut from the batch is held beside each prefix: the prefixes' room is less by its bytes
+    within = dataclasses.replace(room, outside_bytes=room.outside_bytes + batch_bytes(one), passes={}, recompute=True)
+
+    def pass_at(x: int) -> int | None:
+        part = slice_length(one, positions, x)
+        try:
+            cost = probe_within(within, 1, lambda room_bytes: probe_step(model, blocks, step_fn, part, names, False, room_bytes, True))
+        except (NoRoom, RecomputeMismatch):
+            released()
+            return None
+        return int(cost.meta["pass_bytes"])
+
+    try:
+        longest, shortest, held = longest_prefix(length, pass_at)
+    except Exception:  # noqa: BLE001 - a prefix the model rejects: no length is said
+        released()
+        return None
+    return length, longest, shortest, held
 
 
 def _pass(

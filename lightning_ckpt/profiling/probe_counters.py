@@ -223,6 +223,8 @@ class ProbeCounters(_FlopCounting, LiveBytesTracker, WorkTally):
         self.local = None
         # the same tensors after the op; their storages are read after it
         flat = flat_tensors((args, kwargs)) if kwargs else flat_tensors(args)
+        if self.limit_bytes is not None:
+            self.check_before(func, args, kwargs, flat)
         out = self._run_counting_flops(func, args, kwargs, self, flat)
         local, self.local = self.local, None
         # Views and in-place results share an input's storage: never a new one (see the tracker)

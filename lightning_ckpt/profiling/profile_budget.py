@@ -8,8 +8,8 @@ Before each pass, `SliceRoom` predicts its bytes from the passes already made on
 slice that would not fit. Every pass also runs with the tracker's limit at the room left, so a probe
 (never left out on a prediction) is stopped there (`LiveBytesOverLimit`, an out-of-memory error)
 instead of going over; a CUDA out-of-memory error takes the same path, and smaller probes are tried.
-When even the smallest probes do not fit, they run over the budget with a warning that says what they
-held (`SliceRoom.over_budget`), or, when the device itself ran out, `ProfileBudgetError` stops the run.
+When even the smallest probes do not fit, no pass runs over the budget: profiling refuses the batch
+(`profile_refusal`), or, when the device itself ran out, `ProfileBudgetError` stops the run.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -34,7 +35,7 @@ from lightning_ckpt.units import format_bytes
 
 __all__ = [
     "AT_LIMIT", "MARGIN", "NoRoom", "checkpointed_first", "wants_checkpointed_first", "ProfileBudget", "ProfileBudgetError", "SliceRoom", "batch_bytes", "check_within",
-    "optional_pass", "probe_within", "released", "SampleTooLong", "smaller_probes", "why_stopped",
+    "optional_pass", "predicted_pass_bytes", "probe_within", "reached_bytes", "released", "SampleTooLong", "smaller_probes", "why_stopped",
 ]
 
 MARGIN = 0.1  # share of a predicted pass held back for what no pass measured yet (Python objects, one op's scratch)
@@ -47,14 +48,15 @@ class ProfileBudgetError(ValueError):
 class SampleTooLong(Exception):
     """A pass on a batch of one sample was stopped at the room the budget leaves profiling (or the device ran
     out of memory): one sample cannot be sliced smaller along the batch, only along its tokens (the engine
-    then profiles prefixes of it, `engine.length_profiles`). The state was put back."""
+    then profiles prefixes of it, `engine.length_profiles`). The state was put back. `shortfall`: what
+    was measured (`profile_refusal.Shortfall`), when the room stopped it."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, shortfall: Any = None) -> None:
         super().__init__(
             f"profiling a batch of one sample without checkpointing was stopped ({reason}); a shorter prefix of "
             "its sequence is needed to profile it within the memory budget."
         )
-        self.reason = reason
+        self.reason, self.shortfall = reason, shortfall
 
 
 @dataclass(frozen=True)
@@ -87,12 +89,12 @@ class SliceRoom:
     outside_bytes: int
     info: Callable[[str], None] = print
     passes: dict[int, int] = field(default_factory=dict)  # slice size -> bytes its pass held
-    bounded: bool = True  # False once even the smallest probes did not fit: they run over the budget
     recompute: bool = False  # the passes run under checkpointing (`recompute_probe`): unplanned ones did not fit
+    unplanned: dict[int, int] = field(default_factory=dict)  # under checkpointing: the unplanned passes that fit
 
     def under_checkpointing(self) -> SliceRoom:
         """The same room for passes under checkpointing (their bytes predict only each other)."""
-        return dataclasses.replace(self, passes={}, recompute=True)
+        return dataclasses.replace(self, passes={}, recompute=True, unplanned={**self.unplanned, **self.passes})
 
     @property
     def room_bytes(self) -> int:
@@ -148,34 +150,14 @@ class SliceRoom:
         return None
 
     @property
-    def limit_bytes(self) -> int | None:
-        """The tracker's limit for a probe: the room (None once the probes go over it, `over_budget`)."""
-        return self.room_bytes if self.bounded else None
+    def limit_bytes(self) -> int:
+        """The tracker's limit for a probe: the room."""
+        return self.room_bytes
 
     def _resident(self) -> str:
         return (
             f"{format_bytes(self.outside_bytes)} that stays resident (parameters, buffers, optimizer state, "
             "gradients, the batch)"
-        )
-
-    def over_budget(self, stopped: int, sizes: Sequence[int], why: str = "") -> str:
-        """What a profile made over the budget held, and what to do (its probe on `stopped` samples was
-        stopped at the room; the probes ran on `sizes`, under checkpointing when `recompute`; `why`: why
-        not under checkpointing, when they were not)."""
-        held = self.outside_bytes + max(self.passes.get(s, 0) for s in sizes)
-        how = (
-            "even under checkpointing (every block's saved tensors rebuilt in its backward, about what the `full` "
-            "plan holds, which is then over the budget at this size too)"
-            if self.recompute else f"unplanned ({why})" if why else "unplanned"
-        )
-        return (
-            f"lightning-ckpt: profiling could not stay within memory_budget={format_bytes(self.budget_bytes)}: "
-            f"{how}, {stopped} sample(s) of the batch need more than the {format_bytes(max(0, self.room_bytes))} "
-            f"it leaves beside the {self._resident()}. The step was profiled over it on probe_batch_sizes="
-            f"{tuple(sizes)}, holding {format_bytes(held)}, with no larger check slice; on a GPU short of that much "
-            f"it runs out of memory before the first step. To keep profiling within the budget, raise memory_budget "
-            f"to {format_bytes(held * (1 + MARGIN))} or more, or make each sample smaller (a shorter maximum sequence "
-            "length, smaller images)."
         )
 
     def refusal(self, size: int, stopped: str) -> ProfileBudgetError:
@@ -209,11 +191,12 @@ def wants_checkpointed_first() -> bool:
 
 
 class NoRoom(Exception):
-    """A probe that was stopped (`reason` says why: `AT_LIMIT`, or the device's out-of-memory error)."""
+    """A probe that was stopped (`reason` says why: `AT_LIMIT`, or the device's out-of-memory error);
+    `reached_bytes`: what the pass held (the slice included) when the tracker's limit stopped it."""
 
-    def __init__(self, size: int, reason: str) -> None:
+    def __init__(self, size: int, reason: str, reached_bytes: int | None = None) -> None:
         super().__init__(size, reason)
-        self.size, self.reason = size, reason
+        self.size, self.reason, self.reached_bytes = size, reason, reached_bytes
 
 
 Pass = Callable[[int | None], StepCost]  # a profiling pass, given the most it may hold (None: no limit)
@@ -224,14 +207,14 @@ def probe_within(room: SliceRoom | None, size: int, run: Pass) -> StepCost:
     A probe is never left out on a prediction: the tracker's limit says whether it fits."""
     if room is None:
         return run(None)
-    reason = None
+    reason = reached = None
     try:
         with _quiet_when_stopped():
             cost = run(room.limit_bytes)
     except torch.OutOfMemoryError as err:  # its frames hold the pass's tensors: raised on without them
-        reason = why_stopped(err)
+        reason, reached = why_stopped(err), reached_bytes(err, room.limit_bytes)
     if reason is not None:
-        raise NoRoom(size, reason)
+        raise NoRoom(size, reason, reached)
     room.record(size, cost.meta["pass_bytes"])
     return cost
 
@@ -242,13 +225,36 @@ def check_within(room: SliceRoom | None, above: int, size: int) -> int | None:
     if room is None:
         return size
     fitting = room.largest_fitting(above, size)
-    if fitting != size and room.fits(above):  # (probes that went over the budget say so themselves)
+    if fitting != size and room.fits(above):  # (when the probes themselves do not fit, profiling refuses the batch)
         instead = f"a check slice of {fitting} samples" if fitting else "no check slice (the fitted line is not checked)"
         room.info(
             f"lightning-ckpt: profiling with {instead}: unplanned, {size} samples are predicted to need "
             f"{room.need(size)}, more than the {format_bytes(max(0, room.room_bytes))} the memory budget leaves profiling."
         )
     return fitting
+
+
+def reached_bytes(err: BaseException, room_bytes: int) -> int | None:
+    """What a pass stopped by the tracker's limit held, the slice included: the tracker's limit is the room
+    less what stays outside it (the slice; in a block run again, what the pass held when it began)."""
+    reached, limit = getattr(err, "reached_bytes", None), getattr(err, "limit_bytes", None)
+    return None if reached is None or limit is None else reached + room_bytes - limit
+
+
+def predicted_pass_bytes(passes: dict[int, int], length: int) -> int | None:
+    """The bytes a pass at `length` will hold, from the passes measured at shorter prefixes: the
+    polynomial of degree at most 2 through them, or from one pass in proportion to the square of the
+    length (attention's scores); None before any pass."""
+    if not passes:
+        return None
+    xs = sorted(passes)
+    longer = [passes[x] for x in xs if x >= length]
+    if longer:  # a shorter prefix holds at most what a longer one did
+        return min(longer)
+    if len(xs) == 1:
+        return int(math.ceil(passes[xs[0]] * (length / xs[0]) ** 2))
+    coef = np.polynomial.polynomial.polyfit(xs, [passes[x] for x in xs], min(2, len(xs) - 1))
+    return int(math.ceil(max(float(np.polynomial.polynomial.polyval(length, coef)), passes[xs[-1]])))
 
 
 def optional_pass(room: SliceRoom | None, size: int | None, what: str, run: Pass) -> StepCost | None:

@@ -189,8 +189,14 @@ def _interleaved_rates(
         for k in range(len(names)):
             name = names[(r + k) % len(names)]
             fn, n = kernels[name][0], loops[name]
-            times[name].append(_timed(lambda: [fn() for _ in range(n)], sync, clock) / n)
+            times[name].append(_timed(lambda: _calls(fn, n), sync, clock) / n)
     return {name: kernels[name][1] / max(statistics.median(times[name]), 1e-12) for name in names}
+
+
+def _calls(fn: Callable[[], object], n: int) -> None:
+    """`fn` called `n` times, each result let go before the next call (a list of them would hold them all)."""
+    for _ in range(n):
+        fn()
 
 
 def _settle(fn: Callable[[], object], sync: Callable[[], None], clock: Callable[[], float]) -> float:

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_ckpt.profiling.collective_release import call_op
+from lightning_ckpt.profiling.collective_release import call_op, is_issued_collective
+from lightning_ckpt.profiling.limit_check import bound_bytes, result_bytes
 
 __all__ = [
     "LiveBytesOverLimit", "LiveBytesTracker", "StepBytesTracker", "flat_tensors", "local_tensor", "storage_bytes",
@@ -118,7 +119,11 @@ _UNKNOWN = object()
 
 class LiveBytesOverLimit(torch.OutOfMemoryError):
     """The tracked live bytes went over the tracker's `limit_bytes`: raised from the op that made
-    the storage, as an allocator raises when memory runs out (it is an `OutOfMemoryError`)."""
+    the storage, as an allocator raises when memory runs out (it is an `OutOfMemoryError`). `reached_bytes`:
+    what was held with that storage; `limit_bytes`: the limit it went over."""
+
+    reached_bytes: int | None = None
+    limit_bytes: int | None = None
 
 
 class LiveBytesTracker(TorchDispatchMode):
@@ -149,6 +154,7 @@ class LiveBytesTracker(TorchDispatchMode):
         self.released_bytes = 0
         self.extra_held_bytes = 0
         self.max_held_bytes = 0
+        self.largest_bytes = 0  # the largest storage counted: how near the limit an op is checked before it runs
         self.on_death: Any = None  # key -> True when the death is taken over (counted on under a new key)
         self.before_op: Any = None  # called before every op (a holder that is not the step's looks for deaths)
         self._live: dict[tuple[str, int], int] = {}
@@ -212,6 +218,8 @@ class LiveBytesTracker(TorchDispatchMode):
         st = (t if type(t) in _PLAIN else local_tensor(t)).untyped_storage()
         nbytes = int(st.nbytes())
         self._live[key] = nbytes
+        if nbytes > self.largest_bytes:
+            self.largest_bytes = nbytes
         live = self.live_bytes = self.live_bytes + nbytes
         if live > self.peak_bytes:
             self.peak_bytes = live
@@ -225,14 +233,34 @@ class LiveBytesTracker(TorchDispatchMode):
         if held > self.max_held_bytes:
             self.max_held_bytes = held
         if self.limit_bytes is not None and held > self.limit_bytes:
-            raise LiveBytesOverLimit(
-                f"live tensor bytes reached {held} with a storage of {nbytes} bytes, over the limit of "
-                f"{self.limit_bytes} bytes"
-            )
+            raise self._over(held, nbytes, "with")
+
+    def _over(self, held: int, nbytes: int, how: str) -> LiveBytesOverLimit:
+        err = LiveBytesOverLimit(
+            f"live tensor bytes reached {held} {how} a storage of {nbytes} bytes, over the limit of "
+            f"{self.limit_bytes} bytes"
+        )
+        err.reached_bytes, err.limit_bytes = held, self.limit_bytes
+        return err
+
+    def check_before(self, func: Any, args: tuple, kwargs: dict | None, flat: list[torch.Tensor]) -> None:
+        """With a limit, `LiveBytesOverLimit` before op `func` runs when its results would take what is held
+        over it (`limit_check`: near the limit the op is first run on the meta device; `flat`: its tensors)."""
+        if self.limit_bytes is None:
+            return
+        held = self.live_bytes - self.released_bytes + self.extra_held_bytes
+        bound = bound_bytes(func, flat)
+        if (bound is not None and held + 2 * max(bound, self.largest_bytes) <= self.limit_bytes) or is_issued_collective(func):
+            return
+        new = result_bytes(func, args, kwargs)
+        if new is not None and held + new > self.limit_bytes:
+            raise self._over(held + new, new, "before an op made")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.before_op is not None:
             self.before_op()
+        if self.limit_bytes is not None:
+            self.check_before(func, args, kwargs, flat_tensors((args, kwargs)))
         out = call_op(func, args, kwargs)  # a collective's tensors freed by the step, not its thread
         # Views and in-place results share an input's storage: that storage was either
         # counted when it was made or existed before the mode (a parameter): skip it.

@@ -245,7 +245,7 @@ class ActivationCheckpointing(Callback):
         """A new engine on this fit's blocks (`blocks=None`: the chain holding most of `batch`'s step bytes);
         it plans as the first fit did, whatever the callback served before."""
         driver = LightningDriver(trainer)
-        found = driver.chain(pl_module, self.blocks, batch)
+        found = driver.chain(pl_module, self.blocks, batch, self._budget_bytes)
         settings = EngineSettings(self._budget_bytes, **self._settings, host_budget_bytes=self._host_budget_bytes)
         if isinstance(found, tuple):  # a new engine: nothing of an earlier fit's model, trainer or shapes
             names, blocks = found

@@ -22,6 +22,7 @@ from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.profiling.blocks import resolve_blocks
 from lightning_ckpt.profiling.discovery import ChainChoice
 from lightning_ckpt.profiling.profile_budget import ProfileBudget
+from lightning_ckpt.engine.engine_inputs import reading_room
 from lightning_ckpt.profiling.static_memory import StaticMemory
 
 
@@ -73,14 +74,14 @@ class LightningDriver:
         return True
 
     def chain(
-        self, pl_module: pl.LightningModule, blocks: str | list[str] | None, batch: Any
+        self, pl_module: pl.LightningModule, blocks: str | list[str] | None, batch: Any, budget_bytes: int | None = None,
     ) -> tuple[list[str], list[torch.nn.Module]] | ChainChoice:
         """The blocks `blocks` names; with None, the chains `batch`'s step offers at each level of the module
-        tree (`profiling.discovery`: the engine plans them to choose), said once."""
+        tree (`profiling.discovery`: the engine plans them to choose; read within `budget_bytes`), said once."""
         if blocks is not None:
             _, names, modules = resolve_blocks(pl_module, blocks)
             return names, modules
-        choice = chain_of_first_batch(self.trainer, pl_module, batch)
+        choice = chain_of_first_batch(self.trainer, pl_module, batch, reading_room(self, budget_bytes, pl_module, batch))
         rank_zero_info(f"lightning-ckpt: {choice}")
         return choice
 

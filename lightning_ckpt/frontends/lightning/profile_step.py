@@ -29,7 +29,7 @@ from lightning_ckpt.profiling.batch import batch_size_of, slice_batch
 from lightning_ckpt.profiling.block_calls import call_chain
 from lightning_ckpt.profiling.discovery import ChainChoice, discover_chain
 from lightning_ckpt.profiling.gather import with_recompute_gather
-from lightning_ckpt.profiling.profile_budget import ProfileBudget
+from lightning_ckpt.profiling.profile_budget import ProfileBudget, SliceRoom
 from lightning_ckpt.engine.step_profile import profile_model
 
 LINEAR_FIT_TOLERANCE = 0.05  # relative miss at the check size above which the fitted line is reported
@@ -92,13 +92,15 @@ def profile_first_batch(
     return profile
 
 
-def chain_of_first_batch(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> ChainChoice:
+def chain_of_first_batch(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, room: SliceRoom | None = None,
+) -> ChainChoice:
     """With ``blocks=None``: the chain that covers most of the bytes the training step saves
-    (`profiling.discovery`), measured by one forward on a slice of `batch`, every state held."""
+    (`profiling.discovery`), measured by one forward on a slice of `batch` (within `room`), every state held."""
     step_fn = _training_step(trainer, pl_module, 0)
     with held_training(trainer, pl_module, step_fn) as step:
         with profiling_context(trainer), eager_only():
-            return discover_chain(pl_module, step, batch)
+            return discover_chain(pl_module, step, batch, room=room)
 
 
 def calls_of_first_batch(

@@ -32,6 +32,7 @@ from torch import nn
 from lightning_ckpt.engine import arguments
 from lightning_ckpt.engine.chain_levels import engine_for_chain, skips_coarser
 from lightning_ckpt.engine.checkpoint_engine import CheckpointEngine, EngineSettings
+from lightning_ckpt.engine.engine_inputs import reading_room
 from lightning_ckpt.engine.measured_steps import MeasuredStep
 from lightning_ckpt.frontends.loops.plain_driver import PlainDriver, StepFn
 from lightning_ckpt.planning.plan import Plan
@@ -233,7 +234,9 @@ def auto_checkpoint(
 
     if blocks is None:  # the chain, at the level of the module tree, that plans least recompute
         with preserved_rng():
-            choice = discover_chain(driver.model, step_fn, example_batch)
+            choice = discover_chain(
+                driver.model, step_fn, example_batch, room=reading_room(driver, budget, driver.model, example_batch)
+            )
         driver.info(f"lightning-ckpt: {choice}")
         size = example_batch_size(example_batch) if target_batch_size in (None, "max") else int(target_batch_size)
         engine, chosen = engine_for_chain(
