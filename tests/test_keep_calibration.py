@@ -580,9 +580,7 @@ def test_the_calibration_holds_no_more_than_the_room_it_is_given(monkeypatch):
     assert peak <= need and all(b.keep_saved_ms is not None for b in within.at(16).blocks)
     with pytest.warns(UserWarning, match=r"keep calibration was stopped: block .* at batch 16 would hold more"):
         stopped, peak = _calibrated_within(need // 2)
-    # stopped by the op whose new storage takes it over, as an allocator stops: at most that storage above,
-    # the largest of a block's step being its hidden activation (16 x 32 x 256 floats)
-    assert need // 2 < peak <= need // 2 + 16 * 32 * 256 * 4, (peak, need)
+    assert peak <= need // 2, (peak, need)  # stopped before the op that would take it over runs
     assert all(b.keep_saved_ms is None for b in stopped.at(16).blocks)
 
 
