@@ -415,3 +415,21 @@ def test_the_scalar_test_for_keeping_every_block_agrees_with_the_search(cost, rn
     elif full is not None and not full.segments and cost.n_blocks:  # undecided only where a segment may cost 0
         a = chain_arrays(cost, metric)
         assert not np.all(a.K[1:] - np.maximum.accumulate(a.P[:-1]) > 0)
+
+
+@pytest.mark.parametrize("seed", range(15))
+def test_recompute_ends_that_vary_along_the_chain_equal_brute_force(seed):
+    """Blocks whose recompute ends holding their output or not (`stop_output_bytes`, drawn per block): a
+    longer segment's end need not cover a shorter one's, and the pool's dominance must still keep the best."""
+    rng = random.Random(seed)
+    cost = rich_cost(rng, rng.randint(3, 8))
+    blocks = tuple(
+        dataclasses.replace(b, stop_output_bytes=rng.choice((0, b.output_bytes - b.output_saved_bytes)))
+        for b in cost.blocks
+    )
+    cost = dataclasses.replace(cost, blocks=blocks)
+    table = outcomes(cost)
+    for budget in budgets_for(rng, cost, 3):
+        fits = [o for o in table if o[1] <= budget]
+        for beam in BEAMS:
+            check(cost, budget, min(fits) if fits else None, beam=beam)

@@ -147,7 +147,7 @@ class CarriedTerms:
 
     carried: frozenset  # serials of the carried storages
     fwd: list[int]  # alive at some moment of the block's forward
-    bwd: list[int]  # alive during its backward window, plus carried gradients alive when it starts
+    bwd: list[int]  # alive during its backward window, plus carried gradients alive when it starts and what the head made that is alive then
     at_exit: list[int]  # alive when the block's forward ends
     born: list[int]  # made in the block and alive when it ends
     end: int  # alive when the last block's forward ends (the head and the loss run on top)
@@ -194,7 +194,8 @@ def carried_terms(
     output and of its gradient (the model counts that gradient as `output_bytes` when the output is
     local). Every other storage the backward made before block k's backward starts and that is
     still alive then (the gradient of a carried storage, waiting for its producer's backward) is in
-    block k's backward term.
+    block k's backward term, and so is what the forward made after the chain and something holds
+    during block k's backward window (the loss, which the caller holds while it backpropagates).
 
     [constraint] A carried storage lives as measured; one passed to block j lives at least until
     the backward of the earliest block a segment holding j can start at (a checkpointed segment
@@ -247,6 +248,7 @@ def carried_terms(
         for k in range(n)
     ]
     made = [s for s in range(len(ledger.nbytes)) if not ledger.born_forward[s] and s not in param_grads]
+    head = [s for s in range(len(ledger.nbytes)) if ledger.born_forward[s] and ledger.born_in[s] == gap_region(n)]
     bwd = []
     for k in range(n):
         t0, t1 = window_start[k], window_end[k]
@@ -254,6 +256,10 @@ def carried_terms(
             ledger.nbytes[s] for s in made
             if ledger.born_at[s] <= t0 and (ledger.died_at[s] is None or ledger.died_at[s] > t0) and s != own_grad.get(k)
         )
-        bwd.append(alive(t0, t1) + grads)
+        held = sum(
+            ledger.nbytes[s] for s in head
+            if ledger.born_at[s] <= t1 and (ledger.died_at[s] is None or ledger.died_at[s] > t0)
+        )
+        bwd.append(alive(t0, t1) + grads + held)
     end = at_exit[-1] if n else 0
     return CarriedTerms(frozenset(carried), fwd, bwd, at_exit, born, end)
