@@ -70,8 +70,10 @@ def swin_example(quick: bool) -> tuple[torch.nn.Module, Any, int, None, Callable
     from transformers import SwinConfig, SwinForImageClassification
 
     torch.manual_seed(0)
-    image, embed, depths, batch_size = (64, 32, [2, 2, 2, 2], 4) if quick else (224, 48, [2, 2, 6, 2], 8)
-    model = SwinForImageClassification(SwinConfig(image_size=image, embed_dim=embed, depths=depths, num_labels=10))
+    # quick: windows of 4 tile the 32/16/8/4 patches of each stage (a window larger than a stage fails in SDPA)
+    image, embed, depths, window, batch_size = (128, 24, [2, 2, 2, 2], 4, 4) if quick else (224, 48, [2, 2, 6, 2], 7, 8)
+    config = SwinConfig(image_size=image, embed_dim=embed, depths=depths, window_size=window, num_labels=10)
+    model = SwinForImageClassification(config)
     g = torch.Generator().manual_seed(0)
     batch = {"pixel_values": torch.randn(batch_size, 3, image, image, generator=g),
              "labels": torch.randint(0, 10, (batch_size,), generator=g)}
