@@ -206,9 +206,8 @@ def compare(name: str, example: Callable[[], tuple], repeats: int, steps: int) -
             return f"| {name} | {format_bytes(budget.bytes)} ({budget.label}) | {setting} | no plan fits | | NO | | |"
         fits = "yes" if r.peak_bytes <= budget.bytes else "NO"
         s = spread[id(r)]
-        rounds = "-" if r is hf[0] else f"{min(s):.2f}..{max(s):.2f}"
         return (f"| {name} | {format_bytes(budget.bytes)} ({budget.label}) | {setting} | {r.what} | "
-                f"{format_bytes(r.peak_bytes)} | {fits} | {ratio[id(r)]:.2f} | {rounds} |")
+                f"{format_bytes(r.peak_bytes)} | {fits} | {ratio[id(r)]:.2f} | {min(s):.2f}..{max(s):.2f} |")
 
     full, compact = [], []
     for b in budgets:

@@ -125,12 +125,14 @@ def _noise(copies: list[float]) -> float:
 
 
 def _verdict(ratios: list[float], claim: float, noise: float) -> str:
-    """'yes' when the median ratio is within the claim, 'NO' when it is above it by more than the
-    noise, else 'not told apart at this noise'."""
+    """'yes' when the median ratio is within the claim and the noise is smaller than the claim's
+    margin, 'NO' when the ratio is above the claim by more than the noise, else not told apart."""
     m = statistics.median(ratios)
-    if m <= claim:
-        return "yes"
-    return "NO" if m > claim + noise else f"not told apart at {100 * noise:.1f} % noise"
+    if m <= claim and noise <= claim - 1:
+        return f"yes (x{m:.3f})"
+    if m > claim + noise:
+        return f"NO (x{m:.3f})"
+    return f"not told apart (x{m:.3f} at {100 * noise:.1f} % noise)"
 
 
 def handle_step_s(handle, batch, calls: int = 200) -> float:
@@ -186,7 +188,7 @@ def run(quick: bool, bf16: bool, repeats: int, steps: int) -> tuple[list[str], l
         f"x{statistics.median(copies):.3f} of the first (rounds {_range(copies)}: noise {100 * noise:.1f} %, "
         f"the larger of its distance from 1 and half its interquartile range); nothing-plan "
         f"x{statistics.median(nothing):.3f} (rounds {_range(nothing)}); `handle.step(batch)` alone "
-        f"{1e6 * handle_s:.0f} us, {100 * handle_s / base.median_s('cpu'):.2f} % of a step"
+        f"{1e6 * handle_s:.0f} us, {100 * handle_s / base.median_s('cpu'):.3f} % of a step"
     ]
     for k, (ours, hf) in pairs.items():
         same = round_ratios(ours, hf, "cpu")
