@@ -1,7 +1,7 @@
 """The comparison a user makes: HF transformers' own activation checkpointing against lightning-ckpt
 at the same memory budgets, on HF Llama and on a hierarchical model, HF Swin.
 
-    OMP_NUM_THREADS=1 python benchmarks/peers.py            # Llama 16 layers and Swin 224 px, ~10 minutes
+    OMP_NUM_THREADS=1 python benchmarks/peers.py            # Llama 16 layers, Swin 224 px: 14 min on 2 loaded cores
     OMP_NUM_THREADS=1 python benchmarks/peers.py --quick    # smaller models, 2 rounds: a smoke run
 
 Models from their configs with random weights, fp32 (Lightning's default precision), AdamW:
@@ -13,8 +13,8 @@ order (for Swin those are the four stages and the blocks inside them: k = 1 nest
 blocks in its own checkpoint). HF's other option, `offload=True`, needs pinned memory and raises
 on a machine without an accelerator. Each setting's peak is measured over one steady step by
 the live-storage tracker (`measure_step_peak`: parameters, gradients, AdamW state, the batch and
-every activation). The budgets are those peaks and the points half way between neighbouring
-ones. At each, `auto_checkpoint` plans for that budget with its defaults (`cost_metric="time"`)
+every activation). The budgets are those peaks (0.1 % above them: `SLACK`) and the points half
+way between neighbouring ones. At each, `auto_checkpoint` plans for that budget with its defaults (`cost_metric="time"`)
 and `blocks="model.layers"` for Llama, `blocks=None` (found by the library) for Swin, as a user
 would write it; its step is measured the same way.
 

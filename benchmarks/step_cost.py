@@ -2,7 +2,7 @@
 with `auto_checkpoint`'s plan that checkpoints nothing, with HF's own checkpointing, and with our
 plan on exactly the layers HF checkpoints.
 
-    OMP_NUM_THREADS=1 python benchmarks/step_cost.py            # 16 layers, 8 rounds x 2 steps, ~5 minutes
+    OMP_NUM_THREADS=1 python benchmarks/step_cost.py            # 16 layers, 8 rounds x 2 steps: 14 min on 2 loaded cores
     OMP_NUM_THREADS=1 python benchmarks/step_cost.py --quick    # 6 smaller layers, 2 rounds: a smoke run
 
 HF Llama from its config (`_hf_examples.llama_example`: 16 layers, hidden 128, batch 8 x 128
