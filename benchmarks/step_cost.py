@@ -235,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(rows))
     print()
     print("\n".join(notes))
+    if args.quick:
+        print("(a quick run: its few short rounds make the verdicts below a smoke test, not a measurement)")
     for claim, verdict in verdicts.items():
         print(f"{claim}: {verdict}")
     print(f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end")
