@@ -3,7 +3,8 @@ interleaved timing of plans.
 
 `time_variants` visits every plan once per round in a rotated order, applies it, runs one
 untimed warm-up step and then timed steps, and removes it; a plan's time is the median of its
-timed steps (`plans.py`, `recompute_check.py`).
+timed steps (`plans.py`, `recompute_check.py`). `time_rounds` does the same for settings that each
+step a model of their own (`step_cost.py`, `peers.py`), keeping each round's steps on both clocks.
 """
 
 from __future__ import annotations
@@ -98,3 +99,44 @@ def time_variants(case: Case, variants: list[Variant], repeats: int, steps: int,
                     v.other_times.append(wall if clock == "cpu" else cpu)
             finally:
                 handle.remove()
+
+
+@dataclass
+class Timed:
+    """One setting timed by `time_rounds`: a no-argument training step of its own model and
+    optimizer, and per round the times of its timed steps on both clocks."""
+
+    label: str
+    step: Callable[[], None]
+    cpu_s: list[list[float]] = field(default_factory=list)
+    wall_s: list[list[float]] = field(default_factory=list)
+
+    def rounds(self, clock: str) -> list[float]:
+        """The median of each round's timed steps on `clock` ("cpu" or "wall")."""
+        return [statistics.median(r) for r in (self.cpu_s if clock == "cpu" else self.wall_s)]
+
+    def median_s(self, clock: str) -> float:
+        return statistics.median(t for r in (self.cpu_s if clock == "cpu" else self.wall_s) for t in r)
+
+
+def time_rounds(entries: list[Timed], repeats: int, steps: int) -> None:
+    """`repeats` rounds over `entries` in an order rotated by one each round; each visit runs one
+    untimed warm-up step, then `steps` steps timed by process CPU time and by the wall clock."""
+    for r in range(repeats):
+        k = r % len(entries)
+        for e in entries[k:] + entries[:k]:
+            gc.collect()
+            e.step()  # warm-up: caches and the allocator settled after the other settings' steps
+            cpu, wall = [], []
+            for _ in range(steps):
+                w0, c0 = time.perf_counter(), time.process_time()
+                e.step()
+                wall.append(time.perf_counter() - w0)
+                cpu.append(time.process_time() - c0)
+            e.cpu_s.append(cpu)
+            e.wall_s.append(wall)
+
+
+def round_ratios(a: Timed, b: Timed, clock: str) -> list[float]:
+    """Per round, `a`'s median step over `b`'s: both ran in the same round, minutes apart at most."""
+    return [x / y for x, y in zip(a.rounds(clock), b.rounds(clock))]
