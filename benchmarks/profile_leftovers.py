@@ -36,11 +36,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "examples"), str(ROOT)]
 os.environ["LIGHTNING_CKPT_CACHE_DIR"] = tempfile.mkdtemp(prefix="lightning-ckpt-rates-")  # filled by the first call
 
-import torch  # noqa: E402
-from malloc_oracle import settled_heap_bytes  # noqa: E402
-from profile_window import budget_between, causal_batch, llama, step_fn, watched_fit  # noqa: E402
+import torch
+from malloc_oracle import settled_heap_bytes
+from profile_window import budget_between, causal_batch, llama, step_fn, watched_fit
 
-from lightning_ckpt import ActivationCheckpointing, auto_checkpoint  # noqa: E402
+from lightning_ckpt import ActivationCheckpointing, auto_checkpoint
 
 MiB = 2**20
 LAYERS, HIDDEN = 8, 128
@@ -82,11 +82,11 @@ def fit_case(name: str, length: int, precision: str, blocks: str | None, budget:
     """What is alive at each step's start of the callback's fit, against the state."""
     callback = ActivationCheckpointing(1, memory_budget=budget, blocks=blocks, verbose=False, report=False)
     start = time.perf_counter()
-    watched, first_peak = watched_fit(llama(LAYERS, HIDDEN), length, callback, precision)
+    readings, first_peak = watched_fit(llama(LAYERS, HIDDEN), length, callback, precision)
     took = time.perf_counter() - start
-    ratios = [r.ratio for r in watched.readings]
+    ratios = [r.ratio for r in readings]
     ok = len(ratios) == 4 and all(abs(r - 1) <= ALIVE_WITHIN for r in ratios)
-    worst = max(watched.readings, key=lambda r: abs(r.ratio - 1))
+    worst = max(readings, key=lambda r: abs(r.ratio - 1))
     print(f"fit  {name} | fit {took:5.1f} s, plan {len(callback.plan.checkpointed)}/{callback.plan.n_blocks} | "
           f"alive / state at step starts {' '.join(f'{r:.4f}' for r in ratios[:-1])}, fit end {ratios[-1]:.4f} "
           f"(state {worst.state_bytes / MiB:.2f} MiB) | first batch {first_peak / budget:4.2f}x budget | "

@@ -8,8 +8,9 @@ Used by `test_profile_budget.py` and `benchmarks/profile_leftovers.py`.
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -66,27 +67,25 @@ class Reading:
         return self.alive_bytes / self.state_bytes
 
 
-class WatchedLM(LitHF):
-    """`LitHF` that reads the window at each training step's start (after every callback's batch-start hook,
-    where the library profiles) and at the end of training."""
+class StepStarts(pl.Callback):
+    """Reads the window at each training step's start, right after the library's batch-start hook (where it
+    profiles; put this callback after the library's), and at the end of training. No garbage collection
+    before a reading: what a reference cycle keeps counts as alive."""
 
-    def __init__(self, model: nn.Module, window: StorageWindow) -> None:
-        super().__init__(model)
+    def __init__(self, window: StorageWindow) -> None:
         self.window, self.readings = window, []
 
-    def _read(self, where: str, batch: Any = None) -> None:
-        gc.collect()
-        state = state_of(self, list(self.trainer.optimizers), batch)
+    def _read(self, where: str, pl_module: pl.LightningModule, optimizers: list, batch: Any = None) -> None:
+        state = state_of(pl_module, optimizers, batch)
         mine = {t.untyped_storage().data_ptr() for t in state}
         extra = sorted(((n, op) for ptr, (n, op) in self.window.snapshot().items() if ptr not in mine), reverse=True)
         self.readings.append(Reading(where, self.window.alive_bytes(), distinct_bytes(state), extra[:5]))
 
-    def training_step(self, batch, batch_idx):
-        self._read(f"step {batch_idx} start", batch)
-        return super().training_step(batch, batch_idx)
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._read(f"step {batch_idx} start", pl_module, list(trainer.optimizers), batch)
 
-    def on_train_end(self) -> None:
-        self._read("fit end")
+    def on_train_end(self, trainer, pl_module):
+        self._read("fit end", pl_module, list(trainer.optimizers))
 
 
 class FirstBatchPeak(pl.Callback):
@@ -105,18 +104,20 @@ class FirstBatchPeak(pl.Callback):
             self.peak_bytes = self.window.peak_bytes
 
 
-def watched_fit(model: nn.Module, length: int, callback: pl.Callback, precision: str, steps: int = 3):
+def watched_fit(model: nn.Module, length: int, callback: pl.Callback, precision: str,
+                steps: int = 3) -> tuple[list[Reading], int]:
     """Fit `model` on `steps` batches of one sequence of `length` tokens with `callback`, inside a window
-    opened before the trainer's first hook -> (the watched module, the first batch's peak)."""
+    opened before the trainer's first hook -> (the readings at each step's start and the fit's end, the
+    first batch's peak)."""
     data = CausalTokens(batch_size=1, n=steps, seq=length)  # (its tokens made before the window opens)
     window = StorageWindow()
-    lit, first = WatchedLM(model, window), FirstBatchPeak(window)
-    trainer = make_trainer([first, callback], max_steps=steps, precision=precision)
+    lit, first, starts = LitHF(model), FirstBatchPeak(window), StepStarts(window)
+    trainer = make_trainer([first, callback, starts], max_steps=steps, precision=precision)
     gc.collect()
     with window:
         window.count([*lit.parameters(), *lit.buffers()])
         trainer.fit(lit, datamodule=data)
-    return lit, first.peak_bytes
+    return starts.readings, first.peak_bytes
 
 
 def measured_peak(model: nn.Module, step_fn: Callable[[Any], torch.Tensor], batch: Any, checkpointed: bool) -> int:
