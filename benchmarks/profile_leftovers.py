@@ -89,7 +89,8 @@ def fit_case(name: str, length: int, precision: str, blocks: str | None, budget:
     worst = max(readings, key=lambda r: abs(r.ratio - 1))
     print(f"fit  {name} | fit {took:5.1f} s, plan {len(callback.plan.checkpointed)}/{callback.plan.n_blocks} | "
           f"alive / state at step starts {' '.join(f'{r:.4f}' for r in ratios[:-1])}, fit end {ratios[-1]:.4f} "
-          f"(state {worst.state_bytes / MiB:.2f} MiB) | first batch {first_peak / budget:4.2f}x budget | "
+          f"(state {worst.state_bytes / MiB:.2f} MiB, alive - state {' '.join(f'{r.alive_bytes - r.state_bytes:+d}' for r in readings)} B) | "
+          f"first batch {first_peak / budget:4.2f}x budget | "
           f"bound {ALIVE_WITHIN:.0%} | {verdict(ok, 'fit ' + name)}", flush=True)
     if not ok:
         print(f"     at {worst.where}: alive beside the state {worst.extra}", flush=True)
