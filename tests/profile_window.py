@@ -7,7 +7,6 @@ Used by `test_profile_budget.py` and `benchmarks/profile_leftovers.py`.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,7 +112,6 @@ def watched_fit(model: nn.Module, length: int, callback: pl.Callback, precision:
     window = StorageWindow()
     lit, first, starts = LitHF(model), FirstBatchPeak(window), StepStarts(window)
     trainer = make_trainer([first, callback, starts], max_steps=steps, precision=precision)
-    gc.collect()
     with window:
         window.count([*lit.parameters(), *lit.buffers()])
         trainer.fit(lit, datamodule=data)
@@ -129,8 +127,7 @@ def measured_peak(model: nn.Module, step_fn: Callable[[Any], torch.Tensor], batc
     blocks = layers_of(model)
     handle = apply_segments(blocks, [(i, i) for i in range(len(blocks))]) if checkpointed else None
     try:
-        for _ in range(2):
-            gc.collect()
+        for _ in range(2):  # (no garbage collection first: the window counts only what it sees made)
             with StorageWindow() as window:
                 window.count(state_of(model, [opt], batch))
                 window.reset_peak()

@@ -382,6 +382,24 @@ def test_a_pass_stopped_at_its_limit_leaves_nothing_of_its_forward_alive():
 # ----------------------------------------------------------------------------- nothing of the profile outlives it
 
 
+def test_the_storage_window_counts_what_is_made_and_kept_and_lets_go_of_what_is_freed():
+    from storage_oracle import StorageWindow
+
+    weight = torch.ones(10)
+    with StorageWindow() as window:
+        window.count([weight, weight[2:]])  # one storage
+        kept = torch.ones(1000)
+        gone = torch.ones(500) * 2
+        del gone
+        view = kept[:10]
+        kept.add_(1)  # neither a view nor an in-place result is a new storage
+        assert window.alive_bytes() == 40 + 4000 and window.peak_bytes == 40 + 4000 + 2 * 2000
+        del kept
+        assert window.alive_bytes() == 4040  # the view holds its storage
+        del view
+        assert window.alive_bytes() == 40
+
+
 @pytest.mark.parametrize("precision, blocks", [("32-true", "model.model.layers"), ("bf16-mixed", None)])
 def test_nothing_the_callback_profiles_is_alive_at_a_step_start_or_the_fit_end_and_the_first_batch_fits(
         kept_timings, precision, blocks):
