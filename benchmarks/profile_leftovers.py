@@ -19,7 +19,8 @@ B. The same Llama with peft's LoRA (r 8 on q_proj, v_proj), `bf16-mixed`, `block
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/profile_leftovers.py [--lengths 512 2048] [--cases A B] [--quick]
 
-One process, the cases one after the other; about 15 minutes on an unloaded 2-core machine.
+One process, the cases one after the other: about 40 minutes on a loaded 2-core machine, the
+512-token cases about 4 (docs/benchmarks.md has one run's numbers).
 """
 
 from __future__ import annotations
