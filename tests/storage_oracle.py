@@ -67,3 +67,72 @@ def step_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None)
     if optimizer is not None:
         out += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     return out
+
+
+class StorageWindow(TorchDispatchMode):
+    """Every storage born while open, and what of it is alive at any later moment: a storage is born in the op
+    that returns it first (a result on one of the op's inputs' storages is not a birth: views, in-place ops)
+    and dies when torch frees it (a weak reference's callback). Storages that existed before opening count
+    only when given to `count` (the parameters, say), so what is alive at a moment is what was made since
+    the window opened and never freed, plus those. `snapshot()` lists the alive ones with their sizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[int, str]] = {}  # data pointer -> (bytes, the op that made it)
+        self._refs: dict[int, weakref.ref] = {}
+        self.born_bytes = 0
+        self.now_bytes = self.peak_bytes = 0
+
+    def reset_peak(self) -> None:
+        """The peak starts again from what is alive now."""
+        self.peak_bytes = self.now_bytes
+
+    def count(self, tensors: Iterable[Any], made_by: str = "before") -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._add(t.untyped_storage(), made_by)
+
+    def _add(self, storage: torch.UntypedStorage, made_by: str) -> None:
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        if ptr == 0 or nbytes == 0 or ptr in self.live:
+            return
+        self.live[ptr] = (nbytes, made_by)
+        self.born_bytes += nbytes
+        self.now_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.now_bytes)
+        self._refs[ptr] = weakref.ref(storage, lambda _ref, ptr=ptr: self._gone(ptr))
+
+    def _gone(self, ptr: int) -> None:
+        nbytes, _ = self.live.pop(ptr, (0, ""))
+        self.now_bytes -= nbytes
+        self._refs.pop(ptr, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in given:
+                    self._add(storage, str(func))
+        return out
+
+    def alive_bytes(self) -> int:
+        return self.now_bytes
+
+    def snapshot(self) -> dict[int, tuple[int, str]]:
+        return dict(self.live)
+
+    def __exit__(self, *exc: Any) -> Any:
+        result = super().__exit__(*exc)
+        self._refs.clear()  # storages freed later change nothing
+        return result
+
+
+def distinct_bytes(tensors: Iterable[Any]) -> int:
+    """Bytes of the distinct storages of `tensors` (their own sizes; each storage once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
