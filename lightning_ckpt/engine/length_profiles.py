@@ -18,7 +18,7 @@ from lightning_ckpt.costs.block_costs import StepCost
 from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.planning.policies import InfeasibleBudgetError
 from lightning_ckpt.planning.shape_profile import FIT_TOLERANCE, MIN_FIT_LENGTHS, ShapeProfile, checked_bytes
-from lightning_ckpt.profiling.profile_budget import MARGIN, SampleTooLong, checkpointed_first, predicted_pass_bytes, released
+from lightning_ckpt.profiling.profile_budget import MARGIN, SampleTooLong, checkpointed_first, predicted_pass_bytes
 from lightning_ckpt.profiling.profile_refusal import ProfileRefused, Shortfall, longest_prefix
 from lightning_ckpt.profiling.shapes import BatchShape
 from lightning_ckpt.units import format_bytes
@@ -52,7 +52,6 @@ def profile_lengths(
             predicted, room = predicted_pass_bytes(passes, x), None if room_fn is None else room_fn()
             if predicted is not None and room is not None and predicted * (1 + MARGIN) > room:
                 return
-            released()  # what the pass before left for the collector, freed before this one
             try:
                 profile = profile_at(x)
             except SampleTooLong:
@@ -64,7 +63,6 @@ def profile_lengths(
     if length not in done:  # shortest first again, with those between: predicted from more passes now
         run(sorted((*FIRST_FRACTIONS[:-1], *MORE_FRACTIONS)))
     if length not in done and length not in known:  # the whole once more: under checkpointing it may fit
-        released()
         try:
             with checkpointed_first():  # (unplanned it was predicted not to fit, or stopped)
                 profile_at(length)
@@ -141,7 +139,6 @@ def longest_by_prefixes(
     lo = max((x for x in done if x < length), default=0)
 
     def pass_at(x: int) -> int | None:
-        released()
         try:
             with checkpointed_first():
                 return int(profile_at(x).probes[0].meta.get("pass_bytes", 0))
