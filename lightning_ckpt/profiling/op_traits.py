@@ -64,10 +64,7 @@ class OpTraits:
         self.name = op_name(func) if self.counted else None
         self.is_view = bool(getattr(func, "is_view", False))
         self.written_args = written_args(func)
-        try:  # a C++ CompositeImplicitAutograd kernel (`probe_counters`: a decomposition may run)
-            self.cia: bool | None = bool(torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _CIA))
-        except AttributeError:  # not an op overload: `decompose` says
-            self.cia = None
+        self.cia: bool | None = None  # a C++ CompositeImplicitAutograd kernel (read when first asked)
         packet = getattr(func, "_overloadpacket", None)
         self.formula = flop_registry.get(packet) if packet is not None else None  # torch's FLOP formula
         inner = getattr(self.formula, "__wrapped__", None)
@@ -77,12 +74,14 @@ class OpTraits:
     def decomposes(self) -> bool:
         """Whether `func.decompose` may run a decomposition (what it checks first, in torch/_ops.py): an op
         without one returns NotImplemented there. A Python kernel is looked for now (it may be registered later)."""
-        if self.cia is False:
-            try:
-                return _CIA in self.func.py_kernels
-            except AttributeError:
+        try:
+            if _CIA in self.func.py_kernels:
                 return True
-        return True
+            if self.cia is None:
+                self.cia = bool(torch._C._dispatch_has_kernel_for_dispatch_key(self.func.name(), _CIA))
+            return self.cia
+        except AttributeError:  # not an op overload: let `decompose` say
+            return True
 
 
 _BY_ID: dict[int, OpTraits] = {}  # id(overload) -> its traits (an identity lookup: no Python-level hash)
