@@ -23,7 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lightning_ckpt.profiling.tp_work import collective_bytes, is_collective
 from lightning_ckpt.profiling.tracker import flat_tensors, storage_key
 
-__all__ = ["OpBytesCounter", "WorkTally", "written_bytes"]
+__all__ = ["OpBytesCounter", "WorkTally", "is_random", "write_kind", "written_bytes"]
 
 _aten = torch.ops.aten
 # Ops that allocate or re-point storage without writing any data.
@@ -39,10 +39,12 @@ _NO_WRITE = {
     _aten.lift_fresh,
 }
 
+_UNSEEN = object()
+
 
 def written_bytes(
     func: Any, args: tuple, kwargs: dict, out: Any, inputs: set | None = None, outs: list | None = None,
-    out_keys: list | None = None,
+    out_keys: list | None = None, kind: Any = _UNSEEN,
 ) -> int:
     """Bytes `func` wrote: numel x element size of every tensor it returns, except views.
 
@@ -52,9 +54,9 @@ def written_bytes(
     nothing. Only outputs count, not bytes read: a single rate per byte written,
     measured on a mix of ops (`rates.measure_rates`), absorbs the reads. `inputs`, when
     given, are the storage keys of the arguments (a dispatch mode that has them already);
-    `outs` and `out_keys` the tensors in `out` and their storage keys, likewise.
+    `outs` and `out_keys` the tensors in `out` and their storage keys, likewise; `kind`, `write_kind(func)`.
     """
-    mutable = _write_kind(func)
+    mutable = write_kind(func) if kind is _UNSEEN else kind
     if mutable is None:
         return 0  # not an aten-style op (no schema), or one that writes nothing
     if outs is None:
@@ -72,12 +74,10 @@ def written_bytes(
         out_keys = [storage_key(t) for t in outs]
     return sum(t.numel() * t.element_size() for t, key in zip(outs, out_keys) if key not in inputs)
 
-
-_UNSEEN = object()
-_WRITES: dict[Any, bool | None] = {}  # op overload -> `_write_kind` (read off its schema, which never changes)
+_WRITES: dict[Any, bool | None] = {}  # op overload -> `write_kind` (read off its schema, which never changes)
 
 
-def _write_kind(func: Any) -> bool | None:
+def write_kind(func: Any) -> bool | None:
     """None for an op that writes no data (no schema, allocation only, a view); else whether it mutates
     its arguments (its schema says so: every output counts) or only makes new outputs."""
     found = _WRITES.get(func, _UNSEEN)
@@ -95,7 +95,8 @@ def _write_kind(func: Any) -> bool | None:
 _RANDOM: dict[Any, bool] = {}  # op overload -> whether it draws random numbers (its tags never change)
 
 
-def _is_random(func: Any) -> bool:
+def is_random(func: Any) -> bool:
+    """Whether op `func` draws random numbers (its tags say so)."""
     found = _RANDOM.get(func)
     if found is None:
         found = _RANDOM[func] = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
@@ -141,6 +142,7 @@ class WorkTally:
         self.on_op: Callable[..., None] | None = None
         # (inputs, out_keys) of the op `on_op` is told of, as `tally` was given them (None: not known)
         self.op_keys: tuple[set | None, list | None] = (None, None)
+        self.op_traits: Any = None  # and its `op_traits.OpTraits` (None: not known)
 
     def snapshot(self) -> tuple[int, int]:
         """(mem_bytes, rng_bytes) so far."""
@@ -148,12 +150,12 @@ class WorkTally:
 
     def tally(
         self, func: Any, args: tuple, kwargs: dict, out: Any, outs: list, flops: int, inputs: set | None = None,
-        local: "WorkTally | None" = None, out_keys: list | None = None,
+        local: "WorkTally | None" = None, out_keys: list | None = None, traits: Any = None,
     ) -> None:
         """Count one op: `outs` its tensor outputs, `flops` what the FLOP counter gave it;
         `inputs`, when known, the storage keys of its tensor arguments, and `out_keys` those of `outs`.
         `local`: the work the op did on this rank's local tensors (a DTensor op, `tp_work.LocalWork`),
-        counted instead."""
+        counted instead. `traits`: the op's `op_traits.OpTraits`, when the caller has them."""
         first = outs[0] if outs else None
         mem = rng = 0
         if local is not None:
@@ -163,15 +165,16 @@ class WorkTally:
             self.comm_bytes += local.comm_bytes
             self.flop_dtypes.update(local.flop_dtypes)
             self.mem_dtypes.update(local.mem_dtypes)
-        elif _is_collective(func):
+        elif traits.collective if traits is not None else _is_collective(func):
             self.comm_bytes += collective_bytes(func, args, kwargs, outs)
         elif flops:
             if first is not None:
                 self.flop_dtypes[(_device_name(first.device), first.dtype)] += flops
         else:
-            nbytes = written_bytes(func, args, kwargs, out, inputs, outs, out_keys)
+            kind = _UNSEEN if traits is None else traits.write_kind
+            nbytes = written_bytes(func, args, kwargs, out, inputs, outs, out_keys, kind)
             if nbytes:
-                if _is_random(func):
+                if traits.random if traits is not None else is_random(func):
                     rng = nbytes
                     self.rng_bytes += nbytes
                 else:
@@ -181,6 +184,7 @@ class WorkTally:
                     self.mem_dtypes[(_device_name(first.device), first.dtype)] += nbytes
         if self.on_op is not None:
             self.op_keys = (inputs, out_keys)
+            self.op_traits = traits
             self.on_op(func, args, kwargs, outs, flops, mem, rng)
 
     def dominant(self) -> dict[str, str]:

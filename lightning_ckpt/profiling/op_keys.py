@@ -53,14 +53,16 @@ class OpCallCounter:
     """
 
     def __init__(self) -> None:
-        self._counts: dict[Any, int] = defaultdict(int)
+        self._counts: dict[str, int] = defaultdict(int)  # by `op_name`
 
     def reset(self) -> None:
         self._counts.clear()
 
     def key(self, func: Any) -> tuple[str, int] | None:
-        if not counted(func):
-            return None
-        idx = self._counts[func]
-        self._counts[func] = idx + 1
-        return (op_name(func), idx)
+        return self.key_named(op_name(func)) if counted(func) else None
+
+    def key_named(self, name: str) -> tuple[str, int]:
+        """The next key for a call of the counted op named `name` (`op_name`: one name per overload)."""
+        idx = self._counts[name]
+        self._counts[name] = idx + 1
+        return (name, idx)

@@ -116,17 +116,26 @@ class OpProfileRecorder:
         rng_bytes: int,
         inputs: set | None = None,
         out_keys: Sequence[Any] | None = None,
+        traits: Any = None,
     ) -> None:
         """One op call, seen once at the top of the dispatch modes; `outs` its tensor outputs. `inputs`
-        and `out_keys`, when the caller has them, are the storage keys of its arguments and of `outs`."""
-        key = self._counter.key(func)
-        if key is None:
-            return  # selective checkpointing does not number it (`detach`, metadata ops)
+        and `out_keys`, when the caller has them, are the storage keys of its arguments and of `outs`;
+        `traits` the op's `op_traits.OpTraits`."""
+        if traits is None:
+            key = self._counter.key(func)
+            if key is None:
+                return  # selective checkpointing does not number it (`detach`, metadata ops)
+            is_view, positions, random = getattr(func, "is_view", False), written_args(func), is_random_op(func)
+        else:
+            if not traits.counted:
+                return
+            key = self._counter.key_named(traits.name)
+            is_view, positions, random = traits.is_view, traits.written_args, traits.random
         index = len(self._calls)
         keep = 0
         keepable = False
-        if outs and not getattr(func, "is_view", False):
-            written = self._written_keys(func, args, kwargs, index)
+        if outs and not is_view:
+            written = self._written_keys(positions, args, kwargs, index)
             if inputs is None:
                 inputs = _tensor_keys((args, kwargs))
             if out_keys is None:
@@ -140,15 +149,14 @@ class OpProfileRecorder:
                     self._writers[k] = [index]
                     keep += storage_bytes(t)
             keepable = not aliased and not written
-        random = bool(outs) and is_random_op(func)
+        random = bool(outs) and random
         if random:
             keep = kept_draw_bytes(func, outs)
         self._calls.append(_Call(key, keep, keepable, random, int(flops), mem_bytes, rng_bytes))
 
-    def _written_keys(self, func: Any, args: tuple, kwargs: dict, index: int) -> set:
-        """Storages `func` writes in place; a call of this block that created one is no
-        longer keepable (selective checkpointing refuses a kept output changed later)."""
-        positions = written_args(func)
+    def _written_keys(self, positions: tuple, args: tuple, kwargs: dict, index: int) -> set:
+        """Storages the op writes in place (`positions`: its `written_args`); a call of this block that
+        created one is no longer keepable (selective checkpointing refuses a kept output changed later)."""
         if not positions:
             return set()
         keys = _tensor_keys([args[i] if i < len(args) else kwargs.get(name) for i, name in positions])

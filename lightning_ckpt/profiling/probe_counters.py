@@ -17,48 +17,25 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from lightning_ckpt.profiling.collective_release import call_op
 from lightning_ckpt.profiling.op_bytes import WorkTally
+from lightning_ckpt.profiling.op_traits import OpTraits, traits_of
 from lightning_ckpt.profiling.tp_work import any_fake, dtensor_in, has_dtensor
 from lightning_ckpt.profiling.tracker import LiveBytesTracker, flat_tensors, storage_key
 
 __all__ = ["LocalWork", "ProbeCounters"]
 
-_aten = torch.ops.aten
-# metadata queries that torch's FLOP counter leaves to tensor subclasses (nested tensors)
-_QUERIES = {
-    _aten.sym_is_contiguous.default,
-    _aten.is_contiguous.default,
-    _aten.is_contiguous.memory_format,
-    _aten.is_strides_like_format.default,
-    _aten.is_non_overlapping_and_dense.default,
-    _aten.size.default,
-    _aten.sym_size.default,
-    _aten.stride.default,
-    _aten.sym_stride.default,
-    _aten.storage_offset.default,
-    _aten.sym_storage_offset.default,
-    _aten.numel.default,
-    _aten.sym_numel.default,
-    _aten.dim.default,
-    torch.ops.prim.layout.default,
-}
-
-
-_SHAPE_WRAPPED = shape_wrapper(lambda: 0).__code__  # torch's formulas take shapes, mapped by that wrapper
-_CIA = torch._C.DispatchKey.CompositeImplicitAutograd
 _PRIM_DEVICE = torch.ops.prim.device.default
 
 
-def _op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+def _op_flops(traits: OpTraits, args: tuple, kwargs: dict, out: Any) -> int:
     """FLOPs of one op that runs as it is, by torch's formulas (`torch.utils.flop_counter`)."""
-    formula = flop_registry.get(func._overloadpacket)
+    formula = traits.formula
     if formula is None:
         return 0
-    inner = getattr(formula, "__wrapped__", None)
-    if inner is not None and getattr(formula, "__code__", None) is _SHAPE_WRAPPED:
+    inner = traits.shape_formula
+    if inner is not None:
         # what that wrapper passes (tensors as their shapes), without its general tree_map
         try:
             shapes, kw_shapes, out_shape = _shape_list(args), _shape_of(kwargs), _shape_of(out)
@@ -96,23 +73,6 @@ def _shape_list(values: Any) -> list:
     ]
 
 
-_HAS_CIA: dict[Any, bool] = {}  # op overload -> whether a C++ CompositeImplicitAutograd kernel is registered for it
-
-
-def _decomposes(func: Any) -> bool:
-    """Whether `func.decompose` may run a decomposition (what it checks first, in torch/_ops.py): an op
-    without one returns NotImplemented there, so no mode needs to be entered for it."""
-    try:
-        if _CIA in func.py_kernels:
-            return True
-        found = _HAS_CIA.get(func)
-        if found is None:
-            found = _HAS_CIA[func] = torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _CIA)
-        return found
-    except AttributeError:  # not an op overload: let `decompose` say
-        return True
-
-
 class _DecomposedFlops(TorchDispatchMode):
     """Counts FLOPs only, into `owner`, while an op runs its decomposition: what
     `FlopCounterMode` does, so the composite op itself is what the other counts see."""
@@ -122,10 +82,10 @@ class _DecomposedFlops(TorchDispatchMode):
         self.owner = owner
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _QUERIES:
+        traits = traits_of(func)
+        if traits.query:
             return NotImplemented
-        return self.owner._run_counting_flops(func, args, kwargs, self)
+        return self.owner._run_counting_flops(func, args, kwargs or {}, self, None, traits)
 
 
 class _FlopCounting:
@@ -136,12 +96,12 @@ class _FlopCounting:
     local: "LocalWork | None"
 
     def _run_counting_flops(
-        self, func: Any, args: tuple, kwargs: dict, mode: TorchDispatchMode, flat: list | None = None
+        self, func: Any, args: tuple, kwargs: dict, mode: TorchDispatchMode, flat: list | None, traits: OpTraits
     ) -> Any:
-        """`flat`: the tensors in (args, kwargs), when the caller has them."""
+        """`flat`: the tensors in (args, kwargs), when the caller has them; `traits`: `traits_of(func)`."""
         # [as FlopCounterMode] an op with a decomposition runs it, with the FLOPs of the ops it
         # decomposes into counted (that counter looks an overload up among packets: never found)
-        if func is not _PRIM_DEVICE and _decomposes(func):
+        if func is not _PRIM_DEVICE and traits.decomposes():
             with _DecomposedFlops(self) if mode is self else mode:
                 out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
@@ -155,8 +115,9 @@ class _FlopCounting:
                 out = func(*args, **kwargs)
             self.total_flops += local.total_flops - before
             return out
-        out = call_op(func, args, kwargs)  # a collective waited for where issued (`collective_release`)
-        self.total_flops += _op_flops(func, args, kwargs, out)
+        # a collective waited for where issued (`collective_release`)
+        out = call_op(func, args, kwargs) if traits.issued else func(*args, **kwargs)
+        self.total_flops += _op_flops(traits, args, kwargs, out)
         return out
 
 
@@ -174,14 +135,15 @@ class LocalWork(_FlopCounting, TorchDispatchMode, WorkTally):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _QUERIES or has_dtensor((args, kwargs)):
+        traits = traits_of(func)
+        if traits.query or has_dtensor((args, kwargs)):
             return NotImplemented  # DTensor's dispatch runs it, and the local ops come back here
         if any_fake((args, kwargs)):  # sharding propagation infers shapes on fake tensors: no work done
             return func(*args, **kwargs)
         before = self.total_flops
-        out = self._run_counting_flops(func, args, kwargs, self)
+        out = self._run_counting_flops(func, args, kwargs, self, None, traits)
         outs = flat_tensors(out)
-        self.tally(func, args, kwargs, out, outs, self.total_flops - before)
+        self.tally(func, args, kwargs, out, outs, self.total_flops - before, traits=traits)
         if self.track is not None:  # scratch of the DTensor op (a redistribution, a loss's partial sums)
             inputs = {storage_key(t) for t in flat_tensors((args, kwargs))}
             for t in outs:
@@ -214,9 +176,10 @@ class ProbeCounters(_FlopCounting, LiveBytesTracker, WorkTally):
         return self.mem_bytes, self.rng_bytes, self.comm_bytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _QUERIES:
+        traits = traits_of(func)
+        if traits.query:
             return NotImplemented
+        kwargs = kwargs or {}
         if self.before_op is not None:
             self.before_op()
         before = self.total_flops
@@ -225,13 +188,18 @@ class ProbeCounters(_FlopCounting, LiveBytesTracker, WorkTally):
         flat = flat_tensors((args, kwargs)) if kwargs else flat_tensors(args)
         if self.limit_bytes is not None:
             self.check_before(func, args, kwargs, flat)
-        out = self._run_counting_flops(func, args, kwargs, self, flat)
+        if (func is not _PRIM_DEVICE and traits.decomposes()) or dtensor_in(flat):
+            out = self._run_counting_flops(func, args, kwargs, self, flat, traits)
+        else:  # what `_run_counting_flops` does for an op that runs as it is, inline: most ops are
+            out = call_op(func, args, kwargs) if traits.issued else func(*args, **kwargs)
+            if traits.formula is not None:
+                self.total_flops += _op_flops(traits, args, kwargs, out)
         local, self.local = self.local, None
         # Views and in-place results share an input's storage: never a new one (see the tracker)
         inputs = {storage_key(t) for t in flat}
         outs = flat_tensors(out)
         out_keys = [storage_key(t) for t in outs]
-        self.tally(func, args, kwargs, out, outs, self.total_flops - before, inputs, local, out_keys)
+        self.tally(func, args, kwargs, out, outs, self.total_flops - before, inputs, local, out_keys, traits)
         if self.ledger is not None:
             self.ledger.used(inputs)
         for t, key in zip(outs, out_keys):

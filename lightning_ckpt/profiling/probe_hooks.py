@@ -179,7 +179,7 @@ class Probe:
     def _record_op(self, func, args, kwargs, outs, flops, mem, rng) -> None:
         """`op_profile.record`, given the storage keys `work` has for the op already."""
         inputs, out_keys = self.work.op_keys
-        self.op_profile.record(func, args, kwargs, outs, flops, mem, rng, inputs, out_keys)
+        self.op_profile.record(func, args, kwargs, outs, flops, mem, rng, inputs, out_keys, self.work.op_traits)
 
     def parameters_seen(self, module, *args) -> None:
         """Know the block's parameters by identity. FSDP2 (like ZeRO-3) swaps in unsharded parameters
