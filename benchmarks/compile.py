@@ -46,7 +46,7 @@ def worker(policy: str | None, budget: int | None, steps: int, quick: bool, comp
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_ckpt import ActivationCheckpointing
-    from lightning_ckpt.profiling.rss import RssPeak, current_rss_bytes
+    from lightning_ckpt.profiling.memory.rss import RssPeak, current_rss_bytes
 
     torch.set_num_threads(1)
     d, hidden, n_blocks, batch = (128, 512, 8, 512) if quick else (256, 1024, 12, 1024)

@@ -37,10 +37,10 @@ from _examples import CNN_CHAIN, cnn_example, encoder_example  # noqa: E402
 
 import lightning_ckpt as lc  # noqa: E402
 from lightning_ckpt.engine.target_plan import cost_at  # noqa: E402
-from lightning_ckpt.profiling.allocator import follow_tensors  # noqa: E402
-from lightning_ckpt.profiling.rss import RssPeak, current_rss_bytes  # noqa: E402
-from lightning_ckpt.profiling.step_peak import state_tensors  # noqa: E402
-from lightning_ckpt.profiling.tracker import LiveBytesTracker  # noqa: E402
+from lightning_ckpt.profiling.memory.allocator import follow_tensors  # noqa: E402
+from lightning_ckpt.profiling.memory.rss import RssPeak, current_rss_bytes  # noqa: E402
+from lightning_ckpt.profiling.memory.step_peak import state_tensors  # noqa: E402
+from lightning_ckpt.profiling.memory.tracker import LiveBytesTracker  # noqa: E402
 
 MIB = 2**20
 FRACTIONS = (1 / 3, 2 / 3)
@@ -136,7 +136,7 @@ def run_fsdp_offload(device: torch.device, quick: bool, steps: int) -> list[dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    from lightning_ckpt.profiling.fsdp_memory import model_fsdp_memory
+    from lightning_ckpt.profiling.memory.fsdp_memory import model_fsdp_memory
 
     own_group = not dist.is_initialized()
     if own_group:

@@ -16,7 +16,7 @@ measured step time over `none` (the median over rounds of each round's differenc
 fresh: the profile and the `time` plans at block and op granularity made in N fresh
 processes (`--worker`), for the Llama and for HF BERT-48 (`plans.py`'s), and how many
 distinct plans each budget got, with the spread of the measured rates across processes:
-first with the timings kept between runs as a user's runs keep them (`profiling.measured_cache`:
+first with the timings kept between runs as a user's runs keep them (`profiling.machine.measured_cache`:
 one new folder, so the first process measures and the others read it back), then with every
 process measuring (`LIGHTNING_CKPT_CACHE_DIR=off`), which shows the noise the kept timings remove.
 """

@@ -54,8 +54,8 @@ def worker(model_name: str, threshold: str, steps: int, quick: bool) -> dict:
 
     import lightning_ckpt as lc
     from lightning_ckpt.engine.target_plan import PlanRequest, plan_for_target
-    from lightning_ckpt.profiling.allocator import follow_tensors_cpu
-    from lightning_ckpt.profiling.rss import RssPeak, current_anon_bytes, current_rss_bytes
+    from lightning_ckpt.profiling.memory.allocator import follow_tensors_cpu
+    from lightning_ckpt.profiling.memory.rss import RssPeak, current_anon_bytes, current_rss_bytes
 
     torch.set_num_threads(1)
     model, batch, bs = (encoder_example if model_name == "encoder" else cnn_example)(quick)
@@ -128,7 +128,7 @@ def main() -> int:
         print(json.dumps(worker(args.worker[0], args.worker[1], steps, args.quick)))
         return 0
 
-    from lightning_ckpt.profiling.allocator import MMAP_THRESHOLD_BYTES
+    from lightning_ckpt.profiling.memory.allocator import MMAP_THRESHOLD_BYTES
 
     chosen = f"{MMAP_THRESHOLD_BYTES // 1024}K"
     missing = [s for s in args.settings if s in PRELOADS and not Path(PRELOADS[s]).exists()]

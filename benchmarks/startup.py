@@ -27,7 +27,7 @@ library's functions from here (nothing in the library is timed for this):
                the profile's fit, logging
 
 Each callback run is done twice: "first run" with an empty folder of kept timings
-(`profiling.measured_cache`), so it measures the machine's rates and any calibration as a first
+(`profiling.machine.measured_cache`), so it measures the machine's rates and any calibration as a first
 run on a machine does, and "timings kept" reading the folder one untimed run filled, as every
 later run on the machine does (`--timings first|kept|both`).
 
@@ -72,13 +72,13 @@ PLAIN_MODELS = ("swin", "convnext", "llama-long")
 PHASES = ("discovery", "probes", "block timing", "no-save fwd", "rates", "calibration", "planning", "applying", "report")
 # (module, attribute, phase); a phase marked sticky takes everything that runs inside it
 PATCHES = (
-    ("lightning_ckpt.profiling.discovery", "discover_chain", "discovery"),
-    ("lightning_ckpt.profiling.profiler", "probe_step", "probes"),
-    ("lightning_ckpt.profiling.profiler", "_time_blocks", "block timing"),
-    ("lightning_ckpt.profiling.profiler", "_nosave_forward_peaks", "no-save fwd"),
-    ("lightning_ckpt.profiling.forward_passes", "time_blocks", "block timing"),
-    ("lightning_ckpt.profiling.forward_passes", "nosave_forward_peaks", "no-save fwd"),
-    ("lightning_ckpt.profiling.rates", "measure_rates", "rates"),
+    ("lightning_ckpt.profiling.structure.discovery", "discover_chain", "discovery"),
+    ("lightning_ckpt.profiling.passes.profiler", "probe_step", "probes"),
+    ("lightning_ckpt.profiling.passes.profiler", "_time_blocks", "block timing"),
+    ("lightning_ckpt.profiling.passes.profiler", "_nosave_forward_peaks", "no-save fwd"),
+    ("lightning_ckpt.profiling.passes.forward_passes", "time_blocks", "block timing"),
+    ("lightning_ckpt.profiling.passes.forward_passes", "nosave_forward_peaks", "no-save fwd"),
+    ("lightning_ckpt.profiling.machine.rates", "measure_rates", "rates"),
     ("lightning_ckpt.apply.keep_calibration", "calibrated_profile", "calibration"),
     ("lightning_ckpt.planning.policies", "make_plan", "planning"),
     ("lightning_ckpt.engine.target_plan", "plan_for_target", "planning"),
@@ -275,9 +275,9 @@ def _plain_budget(model: str) -> int:
     from lightning_ckpt import make_plan
     from lightning_ckpt.engine.step_profile import profile_model
     from lightning_ckpt.engine.target_plan import cost_at
-    from lightning_ckpt.profiling.batch import batch_size_of
-    from lightning_ckpt.profiling.discovery import discover_chain
-    from lightning_ckpt.profiling.static_memory import static_memory
+    from lightning_ckpt.profiling.structure.batch import batch_size_of
+    from lightning_ckpt.profiling.structure.discovery import discover_chain
+    from lightning_ckpt.profiling.memory.static_memory import static_memory
 
     built, batch, loss, _ = _hf_model(model)
     if model == "llama-long":

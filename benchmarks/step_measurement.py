@@ -35,7 +35,7 @@ from plans import case_budgets, cnn_case, encoder_case, profile_case  # noqa: E4
 
 from lightning_ckpt import apply_segments, make_plan  # noqa: E402
 from lightning_ckpt.frontends.lightning.measured_peak import step_peak  # noqa: E402
-from lightning_ckpt.profiling.tracker import LiveBytesTracker, StepBytesTracker  # noqa: E402
+from lightning_ckpt.profiling.memory.tracker import LiveBytesTracker, StepBytesTracker  # noqa: E402
 from lightning_ckpt.units import format_bytes  # noqa: E402
 
 VARIANTS = ("plain", "measured", "general tracker")

@@ -17,13 +17,13 @@ from lightning_ckpt.units import parse_bytes
 from lightning_ckpt.costs.block_costs import BlockCost, OpCost, StepCost
 from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.costs.machine_rates import MachineRates
-from lightning_ckpt.profiling.blocks import resolve_blocks
-from lightning_ckpt.profiling.discovery import ChainChoice, discover_chain
-from lightning_ckpt.profiling.rates import measure_rates
-from lightning_ckpt.profiling.static_memory import StaticMemory, static_memory
-from lightning_ckpt.profiling.step_peak import measure_step_peak
-from lightning_ckpt.profiling.tracker import LiveBytesTracker
-from lightning_ckpt.profiling.zero_memory import ZeroMemory, ZeroOffload, zero_memory
+from lightning_ckpt.profiling.structure.blocks import resolve_blocks
+from lightning_ckpt.profiling.structure.discovery import ChainChoice, discover_chain
+from lightning_ckpt.profiling.machine.rates import measure_rates
+from lightning_ckpt.profiling.memory.static_memory import StaticMemory, static_memory
+from lightning_ckpt.profiling.memory.step_peak import measure_step_peak
+from lightning_ckpt.profiling.memory.tracker import LiveBytesTracker
+from lightning_ckpt.profiling.memory.zero_memory import ZeroMemory, ZeroOffload, zero_memory
 from lightning_ckpt.planning.memory_model import predict_peak
 from lightning_ckpt.planning.op_options import GRANULARITIES, OpOption, block_options
 from lightning_ckpt.planning.plan import Plan

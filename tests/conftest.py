@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))  # `plan_snapshot.plans_of`
 
 # Timings are measured afresh in every test (and in the processes tests start): a test that
-# wants the kept timings of `profiling.measured_cache` points this at its own `tmp_path`.
+# wants the kept timings of `profiling.machine.measured_cache` points this at its own `tmp_path`.
 os.environ["LIGHTNING_CKPT_CACHE_DIR"] = "off"
 
 # DeepSpeed JIT-builds its CPU ops (here its shared-memory communication op) into TORCH_EXTENSIONS_DIR, by

@@ -90,7 +90,7 @@ class LitHF(pl.LightningModule):
 
 class StepPeaks(pl.Callback):
     """The tracked peak of every training step, the whole step's tensors (parameters, gradients,
-    optimizer state, the batch, activations) as `lightning_ckpt.profiling.step_peak` counts them."""
+    optimizer state, the batch, activations) as `lightning_ckpt.profiling.memory.step_peak` counts them."""
 
     def __init__(self) -> None:
         self.peaks: list[int] = []

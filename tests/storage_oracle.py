@@ -1,4 +1,4 @@
-"""A count of live tensor bytes written apart from the library's tracker (`profiling.tracker`), to check
+"""A count of live tensor bytes written apart from the library's tracker (`profiling.memory.tracker`), to check
 its predictions against: a dispatch mode that adds each storage an op returns, once, and drops it when the
 storage is freed (a weak reference to the storage, which torch keeps as long as its memory lives). What
 existed before is added by hand (`count`: parameters, gradients, optimizer state, the batch). No flat-tensor

@@ -21,13 +21,13 @@ from test_checkpoint_engine import _engine
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_ckpt.profiling.rates as rates_module
+import lightning_ckpt.profiling.machine.rates as rates_module
 from lightning_ckpt import ActivationCheckpointing, make_plan
 from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.planning.memory_model import predict_peak
-from lightning_ckpt.profiling.batch import tensors_in
-from lightning_ckpt.profiling.step_peak import state_tensors
-from lightning_ckpt.profiling.tracker import LiveBytesTracker
+from lightning_ckpt.profiling.structure.batch import tensors_in
+from lightning_ckpt.profiling.memory.step_peak import state_tensors
+from lightning_ckpt.profiling.memory.tracker import LiveBytesTracker
 
 BATCH, ACCUMULATE = 4, 4
 CHAIN_BATCH = 16  # the chain test: probes of 1, 2 and 4 samples profile far within its budget
@@ -148,7 +148,7 @@ MLP_D, MLP_BLOCKS, MLP_BATCH, MLP_TOKENS, MLP_FEATURES = 256, 6, 8, 32, 16
 # Its blocks' backward peaks where the gradient of a weight (256 x 512, 512 KiB) meets the activation
 # gradients; at the probes' one and two samples the peak is elsewhere, and the line through the two
 # probes' peaks fell short by that weight's gradient at batch 8: 0.5 MiB (1.6 %) under every accumulating
-# micro-batch. Each stretch of the backward on its own line (`profiling.backward_phases`) predicts it.
+# micro-batch. Each stretch of the backward on its own line (`profiling.memory.backward_phases`) predicts it.
 TOLERANCE = 0.01
 RATES = MachineRates(flop_per_s=2e10, mem_byte_per_s=5e9, rng_byte_per_s=8e8, segment_s=5e-5)
 

@@ -7,7 +7,7 @@ beside the gradients of blocks <= i too, and the head's beside all of them. Auto
 each new gradient into the existing one in place (torch 2.13's `AccumulateGrad`, with grad
 mode off): the new one lives only until then, as scratch of the backward that makes it. The
 profile runs with no gradient allocated, so each new one stays there (`bwd_transient_bytes`);
-cut at every gradient made and written (`profiling.backward_phases`), it also gives the peak
+cut at every gradient made and written (`profiling.memory.backward_phases`), it also gives the peak
 with only the gradients in flight (`kept_grads_bwd_transient_bytes`), which an accumulating
 backward takes. Checked here by hand, against the same model with every gradient moved outside
 the blocks, and against peaks measured by the live-storage tracker over accumulation windows
@@ -37,11 +37,11 @@ from lightning_ckpt.planning.memory_model import (
     segment_elements,
     step_terms,
 )
-from lightning_ckpt.profiling.batch import tensors_in
+from lightning_ckpt.profiling.structure.batch import tensors_in
 from lightning_ckpt.engine.step_profile import profile_model
-from lightning_ckpt.profiling.static_memory import static_memory
-from lightning_ckpt.profiling.step_peak import state_tensors
-from lightning_ckpt.profiling.tracker import LiveBytesTracker
+from lightning_ckpt.profiling.memory.static_memory import static_memory
+from lightning_ckpt.profiling.memory.step_peak import state_tensors
+from lightning_ckpt.profiling.memory.tracker import LiveBytesTracker
 
 # ----------------------------------------------------------------------------- the terms
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_ckpt.profiling import allocator
-from lightning_ckpt.profiling.rss import current_rss_bytes
+from lightning_ckpt.profiling.memory import allocator
+from lightning_ckpt.profiling.memory.rss import current_rss_bytes
 
 GLIBC = allocator.is_glibc()
 NO_OTHER = "7f00-7f01 r-xp 0 0 0 /usr/lib/x86_64-linux-gnu/libc.so.6\n"

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_ckpt.apply.segments import apply_segments
-from lightning_ckpt.profiling.tracker import LiveBytesTracker
+from lightning_ckpt.profiling.memory.tracker import LiveBytesTracker
 
 
 class Block(nn.Module):

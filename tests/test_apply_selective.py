@@ -23,8 +23,8 @@ from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispat
 from examples.train_encoder import EncoderBlock
 from lightning_ckpt.apply.segments import apply_segments
 from lightning_ckpt.apply.kept_draws import DrawKeeper, DrawReplayer, _compact
-from lightning_ckpt.profiling.op_keys import OpCallCounter, is_random_op
-from lightning_ckpt.profiling.tracker import LiveBytesTracker, storage_bytes, storage_key
+from lightning_ckpt.profiling.work.op_keys import OpCallCounter, is_random_op
+from lightning_ckpt.profiling.memory.tracker import LiveBytesTracker, storage_bytes, storage_key
 
 D, HEADS, SEQ, BATCH = 32, 4, 16, 4
 MATMULS = ("aten.addmm.default", "aten.bmm.default", "aten.mm.default")
@@ -199,7 +199,7 @@ def test_a_kept_fused_attention_holds_what_the_profile_costs():
     from models import PostNormAttentionBlock
     from storage_oracle import LiveStorages
 
-    from lightning_ckpt.profiling.profiler import probe_step
+    from lightning_ckpt.profiling.passes.profiler import probe_step
 
     torch.manual_seed(0)
     blk = PostNormAttentionBlock(16, p=0.0)

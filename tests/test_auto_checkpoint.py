@@ -14,9 +14,9 @@ from models import TinyChain, tokens_batch
 from lightning_ckpt import auto_checkpoint, make_plan, measure_step_peak
 from lightning_ckpt.apply.segments import apply_segments
 from lightning_ckpt.engine.target_plan import cost_at
-from lightning_ckpt.profiling.blocks import resolve_blocks
+from lightning_ckpt.profiling.structure.blocks import resolve_blocks
 from lightning_ckpt.engine.step_profile import profile_model
-from lightning_ckpt.profiling.static_memory import static_memory
+from lightning_ckpt.profiling.memory.static_memory import static_memory
 
 N_BLOCKS, D, BATCH = 6, 32, 8
 

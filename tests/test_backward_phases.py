@@ -1,4 +1,4 @@
-"""Each block's backward cut where its parameter gradients are made and written (`profiling.backward_phases`):
+"""Each block's backward cut where its parameter gradients are made and written (`profiling.memory.backward_phases`):
 the stretches by hand on a ledger; on a real block the peaks they give equal the probe's measured backward
 scratch and, into gradients that exist already, what a count of live storages of the test's own measures
 (`storage_oracle`); and fitted stretch by stretch from probes of one and two samples they reach the peak
@@ -13,9 +13,9 @@ from torch import nn
 
 from lightning_ckpt.costs.block_costs import backward_phase_peaks
 from lightning_ckpt.engine.step_profile import profile_model
-from lightning_ckpt.profiling.backward_phases import backward_phases
-from lightning_ckpt.profiling.lifetimes import StorageLedger
-from lightning_ckpt.profiling.profiler import probe_step
+from lightning_ckpt.profiling.memory.backward_phases import backward_phases
+from lightning_ckpt.profiling.memory.lifetimes import StorageLedger
+from lightning_ckpt.profiling.passes.profiler import probe_step
 
 D, TOKENS = 256, 32
 WEIGHT = D * 2 * D * 4  # one weight's gradient: 512 KiB

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from transformers import BatchEncoding
 
-from lightning_ckpt.profiling.batch import batch_size_of, batch_tensors, first_tensor, slice_batch, tensors_in
+from lightning_ckpt.profiling.structure.batch import batch_size_of, batch_tensors, first_tensor, slice_batch, tensors_in
 
 Pair = namedtuple("Pair", "first second")
 

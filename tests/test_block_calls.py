@@ -13,8 +13,8 @@ from models import steps_with_peaks
 
 from lightning_ckpt import auto_checkpoint
 from lightning_ckpt.apply.segments import apply_segments
-from lightning_ckpt.profiling.block_calls import CallSites, TooManyCalls, call_chain, call_names, hook_calls, occurrences
-from lightning_ckpt.profiling.profiler import probe_step
+from lightning_ckpt.profiling.structure.block_calls import CallSites, TooManyCalls, call_chain, call_names, hook_calls, occurrences
+from lightning_ckpt.profiling.passes.profiler import probe_step
 
 
 class Layer(nn.Module):

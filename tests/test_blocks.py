@@ -6,9 +6,9 @@ import pytest
 import torch
 from models import TinyChain, TinyCNN, tokens_batch
 
-from lightning_ckpt.profiling.block_calls import call_chain
-from lightning_ckpt.profiling.blocks import candidate_containers, resolve_blocks
-from lightning_ckpt.profiling.profiler import probe_step
+from lightning_ckpt.profiling.structure.block_calls import call_chain
+from lightning_ckpt.profiling.structure.blocks import candidate_containers, resolve_blocks
+from lightning_ckpt.profiling.passes.profiler import probe_step
 
 
 def test_auto_detects_largest_container():
@@ -152,7 +152,7 @@ class _UNetLike(torch.nn.Module):
 
 
 def test_blocks_none_with_a_step_follows_the_bytes_across_containers():
-    from lightning_ckpt.profiling.discovery import discover_chain
+    from lightning_ckpt.profiling.structure.discovery import discover_chain
 
     torch.manual_seed(0)
     model = _UNetLike()
@@ -174,7 +174,7 @@ def test_blocks_none_with_a_step_follows_the_bytes_across_containers():
 
 
 def test_blocks_none_needs_a_list_of_modules():
-    from lightning_ckpt.profiling.discovery import discover_chain
+    from lightning_ckpt.profiling.structure.discovery import discover_chain
 
     net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
     with pytest.raises(ValueError, match="has no nn.ModuleList"):

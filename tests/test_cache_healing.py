@@ -14,13 +14,13 @@ from test_measured_cache import profiled_chain
 from torch import nn
 
 import lightning_ckpt.apply.keep_calibration as calibration
-import lightning_ckpt.profiling.rates as rates_module
+import lightning_ckpt.profiling.machine.rates as rates_module
 from lightning_ckpt.apply.keep_calibration import calibrated_profile
 from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.planning.timing_fit import BlockTiming
-from lightning_ckpt.profiling import measured_cache
-from lightning_ckpt.profiling.measured_cache import CACHE_ENV, REMEASURE_ENV, kept
-from lightning_ckpt.profiling.rates import kept_rates
+from lightning_ckpt.profiling.machine import measured_cache
+from lightning_ckpt.profiling.machine.measured_cache import CACHE_ENV, REMEASURE_ENV, kept
+from lightning_ckpt.profiling.machine.rates import kept_rates
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import torch
 from malloc_oracle import MallocPeak, heap_in_use_bytes
 from torch import nn
 
-from lightning_ckpt.profiling.call_sequence import record_calls
+from lightning_ckpt.profiling.structure.call_sequence import record_calls
 
 MiB = 2**20
 

@@ -151,7 +151,7 @@ def test_state_dict_keys_unchanged_and_checkpoint_loads_into_plain_model(tmp_pat
 
 def test_infeasible_target_names_largest_batch():
     probe, _ = _peak_between_full_and_none()
-    from lightning_ckpt.profiling.static_memory import StaticMemory
+    from lightning_ckpt.profiling.memory.static_memory import StaticMemory
 
     static = StaticMemory(
         param_bytes=probe.cost.static_bytes, buffer_bytes=0, grad_bytes=0, optimizer_state_bytes=0,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from models import IdentityWrap
 
-from lightning_ckpt.profiling.chain_check import receives_output, tensor_version
+from lightning_ckpt.profiling.structure.chain_check import receives_output, tensor_version
 
 
 def _out():

@@ -17,15 +17,15 @@ from level_models import LEVEL_MODELS
 from models import steps_with_peaks
 from storage_oracle import LiveStorages, step_state
 
-import lightning_ckpt.profiling.rates as rates_module
+import lightning_ckpt.profiling.machine.rates as rates_module
 from lightning_ckpt import auto_checkpoint, make_plan
 from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.engine.chain_levels import coarser_cut, contenders, pick_chain, plan_score
 from lightning_ckpt.engine.step_profile import profile_model
 from lightning_ckpt.engine.target_plan import cost_at
 from lightning_ckpt.planning.policies import InfeasibleBudgetError
-from lightning_ckpt.profiling.discovery import ChainChoice, discover_chain
-from lightning_ckpt.profiling.static_memory import static_memory
+from lightning_ckpt.profiling.structure.discovery import ChainChoice, discover_chain
+from lightning_ckpt.profiling.memory.static_memory import static_memory
 
 BATCH, STEPS = 8, 3
 # about what a 2-core CPU measured: the plans of the `time` metric without a timing of the run

@@ -10,9 +10,9 @@ from models import TinyChain, tokens_batch
 
 from lightning_ckpt import CheckpointEngine, EngineSettings
 from lightning_ckpt.apply.segments import apply_segments
-from lightning_ckpt.profiling.blocks import resolve_blocks
+from lightning_ckpt.profiling.structure.blocks import resolve_blocks
 from lightning_ckpt.engine.step_profile import profile_model
-from lightning_ckpt.profiling.static_memory import static_memory
+from lightning_ckpt.profiling.memory.static_memory import static_memory
 
 
 class Driver:

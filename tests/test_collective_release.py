@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_ckpt.profiling.collective_release import call_op, is_issued_collective
-from lightning_ckpt.profiling.tracker import LiveBytesTracker, StepBytesTracker
+from lightning_ckpt.profiling.memory.collective_release import call_op, is_issued_collective
+from lightning_ckpt.profiling.memory.tracker import LiveBytesTracker, StepBytesTracker
 
 _c10d = torch.ops._c10d_functional
 

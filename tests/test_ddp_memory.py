@@ -16,8 +16,8 @@ from rank_jobs import free_port
 import torch
 from torch import nn
 
-from lightning_ckpt.profiling.ddp_memory import ddp_bucket_bytes, ddp_comm_buffer_bytes, find_ddp
-from lightning_ckpt.profiling.tracker import LiveBytesTracker
+from lightning_ckpt.profiling.memory.ddp_memory import ddp_bucket_bytes, ddp_comm_buffer_bytes, find_ddp
+from lightning_ckpt.profiling.memory.tracker import LiveBytesTracker
 
 WIDTH, BLOCKS, CLASSES, BATCH, STEPS = 256, 4, 10, 128, 4
 SLACK = 1024  # bytes: a small buffer of the all-reduce is now and then still alive
@@ -80,7 +80,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
     from lightning_ckpt.frontends.lightning.strategy_hooks import strategy_static_memory
-    from lightning_ckpt.profiling.static_memory import static_memory
+    from lightning_ckpt.profiling.memory.static_memory import static_memory
 
     t0 = time.perf_counter()
     torch.set_num_threads(1)

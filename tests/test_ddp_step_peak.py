@@ -13,8 +13,8 @@ import torch
 from lit_models import LitChain, TokenData
 
 from lightning_ckpt import ActivationCheckpointing
-from lightning_ckpt.profiling.step_peak import state_tensors
-from lightning_ckpt.profiling.tracker import LiveBytesTracker
+from lightning_ckpt.profiling.memory.step_peak import state_tensors
+from lightning_ckpt.profiling.memory.tracker import LiveBytesTracker
 
 STEPS = 3
 

@@ -18,9 +18,9 @@ from torch import nn
 
 from lightning_ckpt import InfeasibleBudgetError
 from lightning_ckpt.engine.chain_levels import ChainScore, choose_chain, describe_nothing_saved
-from lightning_ckpt.profiling.call_sequence import record_calls
-from lightning_ckpt.profiling.discovery import ChainChoice, discover_chain
-from lightning_ckpt.profiling.profile_budget import SliceRoom
+from lightning_ckpt.profiling.structure.call_sequence import record_calls
+from lightning_ckpt.profiling.structure.discovery import ChainChoice, discover_chain
+from lightning_ckpt.profiling.passes.profile_budget import SliceRoom
 
 
 def _by_size(choice: ChainChoice) -> dict[int, ChainChoice]:

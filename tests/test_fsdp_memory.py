@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ckpt.profiling.fsdp_memory import FsdpGroupSizes, fsdp_memory
+from lightning_ckpt.profiling.memory.fsdp_memory import FsdpGroupSizes, fsdp_memory
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB_TIMEOUT_S = 240  # the job takes about 40 s here; a hang is killed at this point
@@ -89,8 +89,8 @@ def test_cpu_offload_policy_against_the_sharded_tensors_fsdp2_keeps():
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     from lightning_ckpt.frontends.lightning.strategy_hooks import strategy_static_memory
-    from lightning_ckpt.profiling.fsdp_memory import fsdp_host_tensors, model_fsdp_memory
-    from lightning_ckpt.profiling.tracker import local_tensor, unique_storage_bytes
+    from lightning_ckpt.profiling.memory.fsdp_memory import fsdp_host_tensors, model_fsdp_memory
+    from lightning_ckpt.profiling.memory.tracker import local_tensor, unique_storage_bytes
 
     if dist.is_initialized():
         pytest.fail("a process group is already initialised in this process; this test needs it free")
@@ -288,7 +288,7 @@ def _fsdp_pair(precision: str, **cb_kw) -> tuple[dict, object]:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     from lightning_ckpt import ActivationCheckpointing
-    from lightning_ckpt.profiling.fsdp_memory import fsdp_held_bytes, model_fsdp_memory
+    from lightning_ckpt.profiling.memory.fsdp_memory import fsdp_held_bytes, model_fsdp_memory
 
     def strategy():
         return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
@@ -365,9 +365,9 @@ def _gathered_peak_probe():
     (FSDP2 allocates and frees them by resizing storages, which no op reports to the tracker)."""
     import lightning.pytorch as pl
 
-    from lightning_ckpt.profiling.fsdp_memory import fsdp_params
-    from lightning_ckpt.profiling.step_peak import state_tensors
-    from lightning_ckpt.profiling.tracker import LiveBytesTracker
+    from lightning_ckpt.profiling.memory.fsdp_memory import fsdp_params
+    from lightning_ckpt.profiling.memory.step_peak import state_tensors
+    from lightning_ckpt.profiling.memory.tracker import LiveBytesTracker
 
     class GatheredTracker(LiveBytesTracker):
         def __init__(self, outputs):

@@ -38,7 +38,7 @@ from lightning_ckpt.planning.op_options import (
 from lightning_ckpt.planning.policies import make_plan
 from lightning_ckpt.planning.timing_fit import MIN_SHARE, BlockTiming, fit_op_call_s, with_block_timings
 from lightning_ckpt.engine.step_profile import profile_model
-from lightning_ckpt.profiling.profiler import probe_step
+from lightning_ckpt.profiling.passes.profiler import probe_step
 
 
 def _chain_loss(model):
@@ -275,7 +275,7 @@ def test_op_level_plans_predicted_against_live_storages(monkeypatch):
     from storage_oracle import LiveStorages
 
     from lightning_ckpt.apply.segments import apply_segments
-    from lightning_ckpt.profiling.static_memory import static_memory
+    from lightning_ckpt.profiling.memory.static_memory import static_memory
 
     torch.manual_seed(0)
     model = AttentionChain(n_blocks=4, d=16, p=0.1)

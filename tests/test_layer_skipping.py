@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_ckpt.profiling.layer_skipping import (
+from lightning_ckpt.profiling.structure.layer_skipping import (
     ALWAYS_RUN_PROBABILITY,
     LayerSkipping,
     find_layer_skipping,
@@ -215,7 +215,7 @@ def test_wav2vec2_with_its_default_layerdrop_trains_within_budget_bit_identicall
     from lightning_ckpt import auto_checkpoint, make_plan
     from lightning_ckpt.engine.step_profile import profile_model
     from lightning_ckpt.engine.target_plan import cost_at
-    from lightning_ckpt.profiling.static_memory import static_memory
+    from lightning_ckpt.profiling.memory.static_memory import static_memory
 
     def build():
         torch.manual_seed(0)

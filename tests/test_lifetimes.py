@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_ckpt.profiling.lifetimes import StorageLedger, block_region, gap_region, held_rise, is_local
+from lightning_ckpt.profiling.memory.lifetimes import StorageLedger, block_region, gap_region, held_rise, is_local
 
 
 def _ledger() -> StorageLedger:

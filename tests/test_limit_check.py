@@ -8,8 +8,8 @@ import pytest
 import torch
 from storage_oracle import LiveStorages
 
-from lightning_ckpt.profiling.limit_check import bound_bytes, result_bytes
-from lightning_ckpt.profiling.tracker import LiveBytesOverLimit, LiveBytesTracker
+from lightning_ckpt.profiling.memory.limit_check import bound_bytes, result_bytes
+from lightning_ckpt.profiling.memory.tracker import LiveBytesOverLimit, LiveBytesTracker
 
 aten = torch.ops.aten
 

@@ -15,9 +15,9 @@ from lightning_ckpt import auto_checkpoint, make_plan, measure_step_peak
 from lightning_ckpt.engine.step_profile import profile_model
 from lightning_ckpt.planning.policies import InfeasibleBudgetError
 from lightning_ckpt.engine.target_plan import cost_at
-from lightning_ckpt.profiling.blocks import resolve_blocks
-from lightning_ckpt.profiling.shapes import sequence_positions, shape_of, slice_length
-from lightning_ckpt.profiling.static_memory import static_memory
+from lightning_ckpt.profiling.structure.blocks import resolve_blocks
+from lightning_ckpt.profiling.structure.shapes import sequence_positions, shape_of, slice_length
+from lightning_ckpt.profiling.memory.static_memory import static_memory
 
 MiB = 2**20
 BLOCKS = "model.layers"

@@ -12,7 +12,7 @@ import torch
 from storage_oracle import LiveStorages, step_state
 from torch import nn
 
-import lightning_ckpt.profiling.rates as rates_module
+import lightning_ckpt.profiling.machine.rates as rates_module
 from lightning_ckpt import auto_checkpoint
 from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.frontends.loops.loop_grads import LoopGradients, StepGrads

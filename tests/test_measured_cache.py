@@ -10,14 +10,14 @@ from models import TinyChain, tokens_batch
 from torch import nn
 
 import lightning_ckpt.apply.keep_calibration as calibration
-import lightning_ckpt.profiling.rates as rates_module
+import lightning_ckpt.profiling.machine.rates as rates_module
 from lightning_ckpt.apply.keep_calibration import calibrated_profile
 from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.planning.timing_fit import BlockTiming
-from lightning_ckpt.profiling import measured_cache
-from lightning_ckpt.profiling.measured_cache import CACHE_ENV, REMEASURE_ENV, cache_dir, kept, machine_key
+from lightning_ckpt.profiling.machine import measured_cache
+from lightning_ckpt.profiling.machine.measured_cache import CACHE_ENV, REMEASURE_ENV, cache_dir, kept, machine_key
 from lightning_ckpt.engine.step_profile import profile_model
-from lightning_ckpt.profiling.rates import kept_rates
+from lightning_ckpt.profiling.machine.rates import kept_rates
 
 
 @pytest.fixture
@@ -157,7 +157,7 @@ def test_a_calibration_is_kept_for_the_same_blocks_batch_and_rates(folder, monke
 
 
 def test_a_large_file_of_other_machines_and_torch_versions_is_trimmed_when_read(folder):
-    from lightning_ckpt.profiling.measured_cache import _digest
+    from lightning_ckpt.profiling.machine.measured_cache import _digest
 
     here = {**machine_key("cpu"), "what": "rates"}
     entries = {}

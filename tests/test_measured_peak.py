@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_ckpt.frontends.lightning.measured_peak import fit_memory, should_measure, step_peak, summary
-from lightning_ckpt.profiling import allocator
+from lightning_ckpt.profiling.memory import allocator
 from lightning_ckpt.units import format_bytes
 
 
@@ -59,7 +59,7 @@ def test_fit_memory_leaves_cpu_malloc_alone_by_default(tune):
 def test_cpu_reading_has_an_rss_figure_above_the_fit_start_baseline():
     """The RSS peak above the baseline is present and sane: it covers a touched 64 MiB tensor
     that lived inside the step, and is not far above what the tracker counted."""
-    from lightning_ckpt.profiling.rss import current_rss_bytes
+    from lightning_ckpt.profiling.memory.rss import current_rss_bytes
 
     if current_rss_bytes() is None:
         pytest.skip("needs /proc (Linux)")

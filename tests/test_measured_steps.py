@@ -13,7 +13,7 @@ from test_checkpoint_engine import _engine
 
 from lightning_ckpt.engine.measured_steps import MAX_REPLANS, MeasuredStep
 from lightning_ckpt.planning.policies import make_plan
-from lightning_ckpt.profiling.shapes import shape_of
+from lightning_ckpt.profiling.structure.shapes import shape_of
 
 BATCH = tokens_batch(8, 12)
 

@@ -59,9 +59,9 @@ from lightning_ckpt.planning.peak_terms import (
     segment_activations_bytes,
     segment_block_forward_bytes,
 )
-from lightning_ckpt.profiling.profiler import probe_step
-from lightning_ckpt.profiling.static_memory import static_memory
-from lightning_ckpt.profiling.step_peak import measure_step_peak
+from lightning_ckpt.profiling.passes.profiler import probe_step
+from lightning_ckpt.profiling.memory.static_memory import static_memory
+from lightning_ckpt.profiling.memory.step_peak import measure_step_peak
 
 B, D, N = 256, 64, 5
 

@@ -16,11 +16,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from zoo_models import ZOO, ZooModel, llama, lora_llama, t5
 
 from lightning_ckpt import apply_segments
-from lightning_ckpt.profiling.block_calls import call_chain
-from lightning_ckpt.profiling.state import preserved_state
+from lightning_ckpt.profiling.structure.block_calls import call_chain
+from lightning_ckpt.profiling.forward_state.state import preserved_state
 from lightning_ckpt.apply.recompute_errors import RecomputeMismatchError, explain_checkpoint_error, explained_checkpoint_errors
 from lightning_ckpt.engine.model_prep import ModelCompatWarning, prepare_model
-from lightning_ckpt.profiling.forward_hazards import forward_hazards, live_bytes_per_step
+from lightning_ckpt.profiling.forward_state.forward_hazards import forward_hazards, live_bytes_per_step
 
 STEPS = 7
 

@@ -32,9 +32,9 @@ from lightning_ckpt.planning.nested_model import (
     validate_nested,
 )
 from lightning_ckpt.planning.recompute_cost import recompute_cost
-from lightning_ckpt.profiling.profiler import probe_step
-from lightning_ckpt.profiling.static_memory import static_memory
-from lightning_ckpt.profiling.step_peak import measure_step_peak
+from lightning_ckpt.profiling.passes.profiler import probe_step
+from lightning_ckpt.profiling.memory.static_memory import static_memory
+from lightning_ckpt.profiling.memory.step_peak import measure_step_peak
 
 
 def test_validate_nested_returns_the_inner_segments_sorted():

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_ckpt.profiling.op_bytes import OpBytesCounter
-from lightning_ckpt.profiling.profiler import probe_step
+from lightning_ckpt.profiling.work.op_bytes import OpBytesCounter
+from lightning_ckpt.profiling.passes.profiler import probe_step
 
 B, T, D, H = 4, 6, 8, 12  # batch, tokens, width in, width of the linear block
 F32 = 4

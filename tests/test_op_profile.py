@@ -20,11 +20,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from examples.train_encoder import EncoderClassifier
 from lightning_ckpt.costs.block_costs import StepCost
-from lightning_ckpt.profiling.op_bytes import OpBytesCounter
-from lightning_ckpt.profiling.op_profile import OpProfileRecorder, written_args
+from lightning_ckpt.profiling.work.op_bytes import OpBytesCounter
+from lightning_ckpt.profiling.work.op_profile import OpProfileRecorder, written_args
 from lightning_ckpt.engine.step_profile import profile_model
-from lightning_ckpt.profiling.profiler import probe_step
-from lightning_ckpt.profiling.tracker import storage_key
+from lightning_ckpt.profiling.passes.profiler import probe_step
+from lightning_ckpt.profiling.memory.tracker import storage_key
 
 D = 16  # width of the hand-written blocks
 F32 = 4

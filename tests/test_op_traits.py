@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 from torch.utils.flop_counter import flop_registry
 
-from lightning_ckpt.profiling import op_traits
-from lightning_ckpt.profiling.collective_release import is_issued_collective
-from lightning_ckpt.profiling.op_bytes import is_random, write_kind
-from lightning_ckpt.profiling.op_keys import OpCallCounter, counted, op_name
-from lightning_ckpt.profiling.op_profile import written_args
-from lightning_ckpt.profiling.op_traits import QUERIES, traits_of
+from lightning_ckpt.profiling.work import op_traits
+from lightning_ckpt.profiling.memory.collective_release import is_issued_collective
+from lightning_ckpt.profiling.work.op_bytes import is_random, write_kind
+from lightning_ckpt.profiling.work.op_keys import OpCallCounter, counted, op_name
+from lightning_ckpt.profiling.work.op_profile import written_args
+from lightning_ckpt.profiling.work.op_traits import QUERIES, traits_of
 
 aten = torch.ops.aten
 OPS = [

@@ -18,8 +18,8 @@ from torch import nn
 
 from lightning_ckpt.apply.segments import apply_segments
 from lightning_ckpt.planning.memory_model import predict_peak
-from lightning_ckpt.profiling.profiler import probe_step
-from lightning_ckpt.profiling.static_memory import static_memory
+from lightning_ckpt.profiling.passes.profiler import probe_step
+from lightning_ckpt.profiling.memory.static_memory import static_memory
 
 BATCH, TOKENS, D = 4, 64, 16
 

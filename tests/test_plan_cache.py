@@ -11,7 +11,7 @@ from test_shape_plans import _Recorder
 
 from lightning_ckpt.engine.plan_cache import MAX_PLANS, PlanCache
 from lightning_ckpt.engine.shape_plans import ShapePlans
-from lightning_ckpt.profiling.shapes import shape_of
+from lightning_ckpt.profiling.structure.shapes import shape_of
 
 
 def test_the_least_recently_used_entry_goes_first():

@@ -17,7 +17,7 @@ from lightning_ckpt.engine.planned_costs import PlannedCosts
 from lightning_ckpt.engine.shape_family import _grid_cost, cost_key
 from lightning_ckpt.planning import shape_grid
 from lightning_ckpt.planning.policies import make_plan
-from lightning_ckpt.profiling.shapes import BatchShape, shape_of
+from lightning_ckpt.profiling.structure.shapes import BatchShape, shape_of
 
 from test_shape_family import MultiScaleCNN, _budget, _cnn_loss
 from test_shape_grid import CROPS, _grid

@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_ckpt.profiling.lifetimes import StorageLedger
-from lightning_ckpt.profiling.op_bytes import OpBytesCounter
-from lightning_ckpt.profiling.probe_counters import ProbeCounters
-from lightning_ckpt.profiling.tracker import LiveBytesTracker
+from lightning_ckpt.profiling.memory.lifetimes import StorageLedger
+from lightning_ckpt.profiling.work.op_bytes import OpBytesCounter
+from lightning_ckpt.profiling.passes.probe_counters import ProbeCounters
+from lightning_ckpt.profiling.memory.tracker import LiveBytesTracker
 
 
 class Attention(nn.Module):

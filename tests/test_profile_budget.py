@@ -34,15 +34,15 @@ from train_encoder import EncoderClassifier
 from lightning_ckpt import ActivationCheckpointing, InfeasibleBudgetError, auto_checkpoint, make_plan
 from lightning_ckpt.engine.step_profile import profile_model
 from lightning_ckpt.engine.target_plan import cost_at
-from lightning_ckpt.profiling.blocks import resolve_blocks
-from lightning_ckpt.profiling.profile_budget import (
+from lightning_ckpt.profiling.structure.blocks import resolve_blocks
+from lightning_ckpt.profiling.passes.profile_budget import (
     MARGIN,
     ProfileBudget,
     ProfileBudgetError,
     SliceRoom,
     smaller_probes,
 )
-from lightning_ckpt.profiling.static_memory import static_memory
+from lightning_ckpt.profiling.memory.static_memory import static_memory
 from lightning_ckpt.units import format_bytes
 
 MiB = 2**20
@@ -356,8 +356,8 @@ def test_a_pass_stopped_at_its_limit_leaves_nothing_of_its_forward_alive():
     freed once it returns, also those whose node saved them (a loop through autograd's graph that
     Python's garbage collector cannot see). Counted by weak references to the storages, not by the
     library."""
-    from lightning_ckpt.profiling.profiler import probe_step
-    from lightning_ckpt.profiling.tracker import LiveBytesOverLimit
+    from lightning_ckpt.profiling.passes.profiler import probe_step
+    from lightning_ckpt.profiling.memory.tracker import LiveBytesOverLimit
 
     torch.manual_seed(0)
     model = _SavesOwnOutputs()

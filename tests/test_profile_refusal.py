@@ -17,9 +17,9 @@ from torch import nn
 from lightning_ckpt import InfeasibleBudgetError, auto_checkpoint, make_plan
 from lightning_ckpt.engine.step_profile import profile_model
 from lightning_ckpt.engine.target_plan import cost_at
-from lightning_ckpt.profiling.profile_budget import ProfileBudget
-from lightning_ckpt.profiling.profile_refusal import SEARCH_PASSES, longest_prefix
-from lightning_ckpt.profiling.static_memory import static_memory
+from lightning_ckpt.profiling.passes.profile_budget import ProfileBudget
+from lightning_ckpt.profiling.passes.profile_refusal import SEARCH_PASSES, longest_prefix
+from lightning_ckpt.profiling.memory.static_memory import static_memory
 from lightning_ckpt.units import format_bytes
 
 

@@ -95,7 +95,7 @@ def _inject(stage: str, model, monkeypatch) -> None:
     elif stage == "check_probe":  # the probes slice 1 and 2 samples, the check 4
         block.register_forward_pre_hook(lambda module, args: _raise() if args[0].shape[0] == 4 else None)
     elif stage == "rates":
-        monkeypatch.setattr("lightning_ckpt.profiling.rates.measure_rates", _raise)
+        monkeypatch.setattr("lightning_ckpt.profiling.machine.rates.measure_rates", _raise)
     elif stage == "planning":
         monkeypatch.setattr("lightning_ckpt.engine.checkpoint_engine.plan_for_target", _raise)
     else:

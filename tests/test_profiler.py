@@ -20,10 +20,10 @@ from models import (
     wrap_like_zero3,
 )
 
-from lightning_ckpt.profiling.batch import batch_size_of, slice_batch
+from lightning_ckpt.profiling.structure.batch import batch_size_of, slice_batch
 from lightning_ckpt.engine.step_profile import profile_model
-from lightning_ckpt.profiling.profiler import probe_step
-from lightning_ckpt.profiling.state import preserved_rng, preserved_state, unchanged_parameters
+from lightning_ckpt.profiling.passes.profiler import probe_step
+from lightning_ckpt.profiling.forward_state.state import preserved_rng, preserved_state, unchanged_parameters
 
 
 def _chain_loss(model):
@@ -278,9 +278,9 @@ def test_a_long_skip_and_a_module_between_blocks_are_carried():
 def test_predicted_whole_step_peaks_of_the_skip_chain_are_exact():
     from lightning_ckpt.apply.segments import apply_segments
     from lightning_ckpt.planning.memory_model import predict_peak
-    from lightning_ckpt.profiling.step_peak import measure_step_peak
+    from lightning_ckpt.profiling.memory.step_peak import measure_step_peak
 
-    from lightning_ckpt.profiling.static_memory import static_memory
+    from lightning_ckpt.profiling.memory.static_memory import static_memory
 
     torch.manual_seed(0)
     model = _SkipChain()
@@ -316,7 +316,7 @@ def test_a_recompute_that_stops_after_the_output_layernorm_holds_the_output():
 
     from lightning_ckpt.apply.segments import apply_segments
     from lightning_ckpt.planning.memory_model import predict_peak
-    from lightning_ckpt.profiling.static_memory import static_memory
+    from lightning_ckpt.profiling.memory.static_memory import static_memory
 
     torch.manual_seed(0)
     model = TinyChain(n_blocks=4, d=16, p=0.1)
@@ -380,7 +380,7 @@ def test_sharded_blocks_run_the_same_passes_whatever_their_bytes(monkeypatch, sh
     """Batch 1 is off the line: unsharded, the profiler leaves it out and checks the new line on a
     slice twice the check (and times the promoted check). Sharded blocks gather their parameters in
     every forward, so every rank must run the same passes: the probes and the check only, timed."""
-    import lightning_ckpt.profiling.measured_profile as profiler
+    import lightning_ckpt.profiling.passes.measured_profile as profiler
     from lightning_ckpt.costs.block_costs import BlockCost, StepCost
     from lightning_ckpt.costs.machine_rates import MachineRates
 

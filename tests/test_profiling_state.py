@@ -1,4 +1,4 @@
-"""`profiling.state.preserved_state`: every buffer comes back as the object it was, with its shape and
+"""`profiling.forward_state.state.preserved_state`: every buffer comes back as the object it was, with its shape and
 values, whatever the forward did to it (resized, rebound, counted), and one failing item neither
 stops the others nor goes unnamed."""
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import lightning_ckpt
-from lightning_ckpt.profiling.state import StateRestoreError, preserved_state
+from lightning_ckpt.profiling.forward_state.state import StateRestoreError, preserved_state
 
 
 class StatefulBlock(nn.Module):

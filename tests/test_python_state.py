@@ -26,7 +26,7 @@ from lightning_ckpt.planning.memory_model import predict_peak
 from lightning_ckpt.planning.policies import InfeasibleBudgetError
 from lightning_ckpt.planning.recompute_cost import recompute_cost
 from lightning_ckpt.planning.segment_shapes import every_k_segments
-from lightning_ckpt.profiling.static_memory import static_memory
+from lightning_ckpt.profiling.memory.static_memory import static_memory
 
 D, BATCH, N_BLOCKS, STATEFUL = 8, 8, 5, 2
 REASONS = {
@@ -269,7 +269,7 @@ def test_segments_given_by_hand_may_not_hold_a_must_keep_block():
 def test_the_watch_names_each_write_of_a_forward():
     import numpy as np
 
-    from lightning_ckpt.profiling.forward_hazards import PythonStateWatch
+    from lightning_ckpt.profiling.forward_state.forward_hazards import PythonStateWatch
 
     class Writes(nn.Module):
         def __init__(self) -> None:
@@ -322,7 +322,7 @@ def test_what_a_strategys_hooks_keep_on_a_module_is_not_the_models_state():
     """DeepSpeed ZeRO-3's gather hooks count pending gradients on each module (`ds_grads_remaining`,
     `applied_pre_backward_ref_cnt`); they run again in a recompute by design, so they mark nothing.
     The same write under a name of the model's own marks its block."""
-    from lightning_ckpt.profiling.forward_hazards import PythonStateWatch
+    from lightning_ckpt.profiling.forward_state.forward_hazards import PythonStateWatch
 
     block = torch.nn.Linear(2, 2)
     block.ds_grads_remaining, block.applied_pre_backward_ref_cnt, block.calls = 0, 0, 0

@@ -23,7 +23,7 @@ from lightning_ckpt import (
     measure_rates,
     profile_model,
 )
-import lightning_ckpt.profiling.rates as rates_module
+import lightning_ckpt.profiling.machine.rates as rates_module
 from lightning_ckpt.planning.recompute_cost import block_recompute, op_calls, recompute_cost, skipped_tail
 
 

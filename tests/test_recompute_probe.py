@@ -23,12 +23,12 @@ from lightning_ckpt.apply.segments import apply_segments
 from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.engine.target_plan import cost_at
 from lightning_ckpt.engine.model_prep import prepare_model
-from lightning_ckpt.profiling.block_calls import call_chain
-from lightning_ckpt.profiling.profiler import probe_step
-from lightning_ckpt.profiling.recompute_probe import RecomputeMismatch
-from lightning_ckpt.profiling.state import preserved_state
-from lightning_ckpt.profiling.static_memory import static_memory
-from lightning_ckpt.profiling.tracker import LiveBytesOverLimit
+from lightning_ckpt.profiling.structure.block_calls import call_chain
+from lightning_ckpt.profiling.passes.profiler import probe_step
+from lightning_ckpt.profiling.passes.recompute_probe import RecomputeMismatch
+from lightning_ckpt.profiling.forward_state.state import preserved_state
+from lightning_ckpt.profiling.memory.static_memory import static_memory
+from lightning_ckpt.profiling.memory.tracker import LiveBytesOverLimit
 
 
 class _LivePeak(TorchDispatchMode):

@@ -23,9 +23,9 @@ from lightning_ckpt.frontends.lightning.resume import (
 from lightning_ckpt.costs.block_costs import BlockCost, StepCost
 from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.planning.policies import make_plan
-from lightning_ckpt.profiling.shapes import BatchShape
-from lightning_ckpt.profiling.static_memory import StaticMemory
-from lightning_ckpt.profiling.tracker import LiveBytesTracker
+from lightning_ckpt.profiling.structure.shapes import BatchShape
+from lightning_ckpt.profiling.memory.static_memory import StaticMemory
+from lightning_ckpt.profiling.memory.tracker import LiveBytesTracker
 
 BLOCKS = [torch.nn.Linear(4, 4) for _ in range(3)]
 NAMES = ["blocks.0", "blocks.1", "blocks.2"]

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from lightning_ckpt.profiling import rss
+from lightning_ckpt.profiling.memory import rss
 
 pytestmark = pytest.mark.skipif(rss.current_rss_bytes() is None, reason="needs /proc (Linux)")
 MIB = 2**20

@@ -17,9 +17,9 @@ from lightning_ckpt import auto_checkpoint, make_plan, measure_step_peak
 from lightning_ckpt.engine.shape_family import ShapeFamily, sample_key
 from lightning_ckpt.engine.step_profile import profile_model
 from lightning_ckpt.engine.target_plan import cost_at
-from lightning_ckpt.profiling.blocks import resolve_blocks
-from lightning_ckpt.profiling.shapes import BatchShape, axes_of, varying_positions
-from lightning_ckpt.profiling.static_memory import static_memory
+from lightning_ckpt.profiling.structure.blocks import resolve_blocks
+from lightning_ckpt.profiling.structure.shapes import BatchShape, axes_of, varying_positions
+from lightning_ckpt.profiling.memory.static_memory import static_memory
 
 
 def _cbr(i: int, o: int, stride: int = 1) -> nn.Module:

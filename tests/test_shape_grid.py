@@ -13,7 +13,7 @@ from lightning_ckpt.costs.block_costs import BlockCost, StepCost
 from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.planning.shape_grid import EXTRAPOLATE, GridProfile, features
 from lightning_ckpt.planning.shape_profile import FIT_TOLERANCE, checked_bytes
-from lightning_ckpt.profiling.shapes import alignment, axes_of, crop, crop_points, point_of, shape_of
+from lightning_ckpt.profiling.structure.shapes import alignment, axes_of, crop, crop_points, point_of, shape_of
 
 
 def _step(batch: int, point, per_sample) -> StepCost:
@@ -83,7 +83,7 @@ def test_features_and_points_are_checked():
 
 
 def test_image_height_and_width_are_separate_axes_once_one_batch_is_not_square_and_crops_cut_both():
-    from lightning_ckpt.profiling.shapes import varying_positions
+    from lightning_ckpt.profiling.structure.shapes import varying_positions
 
     batches = [(torch.zeros(4, 3, h, w), torch.zeros(4, h, w)) for h, w in ((32, 32), (48, 48))]
     shapes = [shape_of(b) for b in batches]

@@ -11,7 +11,7 @@ from test_shape_profile import _profile
 from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.planning.policies import make_plan
 from lightning_ckpt.engine.shape_plans import BUCKET, ShapePlans, same_regions, sample_key
-from lightning_ckpt.profiling.shapes import shape_of, slice_length, varying_positions
+from lightning_ckpt.profiling.structure.shapes import shape_of, slice_length, varying_positions
 
 
 def _batch(batch: int, length: int) -> dict:
@@ -169,9 +169,9 @@ class _OneSample(_Recorder):
         self.checkpointed_first: list[bool] = []  # per profile: asked to start under checkpointing
 
     def profile(self, batch, own):
-        from lightning_ckpt.profiling.profile_budget import SampleTooLong
+        from lightning_ckpt.profiling.passes.profile_budget import SampleTooLong
 
-        from lightning_ckpt.profiling.profile_budget import wants_checkpointed_first
+        from lightning_ckpt.profiling.passes.profile_budget import wants_checkpointed_first
 
         length = batch["input_ids"].shape[1]
         if batch["input_ids"].shape[0] > 1:

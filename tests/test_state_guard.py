@@ -17,7 +17,7 @@ from torch.ao import quantization as tq
 from lightning_ckpt import auto_checkpoint, apply_segments, make_plan
 from lightning_ckpt.engine.step_profile import profile_model
 from lightning_ckpt.engine.target_plan import cost_at
-from lightning_ckpt.profiling.static_memory import static_memory
+from lightning_ckpt.profiling.memory.static_memory import static_memory
 
 pytestmark = pytest.mark.filterwarnings("ignore:Please use quant_min and quant_max")  # torch's x86 qconfig
 

@@ -435,7 +435,7 @@ def held_bytes(engine, module) -> int:
     gradients, buffers, and every tensor reachable from DeepSpeed's optimizer object."""
     import torch
 
-    from lightning_ckpt.profiling.tracker import unique_storage_bytes
+    from lightning_ckpt.profiling.memory.tracker import unique_storage_bytes
 
     found: list = []
     seen: set[int] = set()
@@ -475,7 +475,7 @@ def _activation_probe(cb):
 
     from lightning_ckpt.frontends.lightning.muted_logging import muted_logging
     from lightning_ckpt.planning.memory_model import predict_peak
-    from lightning_ckpt.profiling.tracker import LiveBytesTracker
+    from lightning_ckpt.profiling.memory.tracker import LiveBytesTracker
 
     class ActivationProbe(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -580,7 +580,7 @@ def _skew_run(rank: int) -> dict:
     import torch.distributed as dist
 
     from lightning_ckpt.planning.policies import make_plan
-    from lightning_ckpt.profiling import profiler
+    from lightning_ckpt.profiling.passes import profiler
 
     first = _callback(policy="none")
     _fit(_ds(2), "32-true", [first])

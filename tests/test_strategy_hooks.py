@@ -11,7 +11,7 @@ from lightning_ckpt.frontends.lightning.strategy_hooks import (
     profiling_context,
     strategy_static_memory,
 )
-from lightning_ckpt.profiling.static_memory import StaticMemory, static_memory
+from lightning_ckpt.profiling.memory.static_memory import StaticMemory, static_memory
 
 
 def test_defaults_count_this_process_and_use_no_sync_when_the_model_has_it():

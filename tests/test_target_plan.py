@@ -19,7 +19,7 @@ from lightning_ckpt.planning.capacity import plan_if_fits
 from lightning_ckpt.costs.block_costs import BlockCost, StepCost
 from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.planning.policies import InfeasibleBudgetError, make_plan
-from lightning_ckpt.profiling.static_memory import StaticMemory
+from lightning_ckpt.profiling.memory.static_memory import StaticMemory
 
 STATIC = StaticMemory(param_bytes=600, buffer_bytes=0, grad_bytes=0, optimizer_state_bytes=400, optimizer_transient_bytes=0)
 

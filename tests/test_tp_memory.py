@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_ckpt.profiling.static_memory import static_memory
-from lightning_ckpt.profiling.tp_memory import grad_held_bytes, largest_shard_numel, local_nbytes, shard_shape
+from lightning_ckpt.profiling.memory.static_memory import static_memory
+from lightning_ckpt.profiling.memory.tp_memory import grad_held_bytes, largest_shard_numel, local_nbytes, shard_shape
 from tp_models import LlamaBlock, fake_world, tp_plan
 
 

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_ckpt.profiling.profiler import probe_step
-from lightning_ckpt.profiling.tp_work import ALL_REDUCE_FACTOR, collective_bytes, comm_bytes, has_dtensor, is_collective
+from lightning_ckpt.profiling.passes.profiler import probe_step
+from lightning_ckpt.profiling.work.tp_work import ALL_REDUCE_FACTOR, collective_bytes, comm_bytes, has_dtensor, is_collective
 from tp_models import LlamaBlock, fake_world, tp_plan
 
 B, S, D = 2, 16, 32

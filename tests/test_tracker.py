@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_ckpt.profiling.tracker import (
+from lightning_ckpt.profiling.memory.tracker import (
     LiveBytesTracker,
     local_tensor,
     storage_bytes,
@@ -56,8 +56,8 @@ def test_the_step_tracker_counts_a_training_step_as_the_general_tracker_does():
     or an in-place op makes nothing new."""
     from models import TinyChain, tokens_batch
 
-    from lightning_ckpt.profiling.step_peak import state_tensors
-    from lightning_ckpt.profiling.tracker import StepBytesTracker
+    from lightning_ckpt.profiling.memory.step_peak import state_tensors
+    from lightning_ckpt.profiling.memory.tracker import StepBytesTracker
 
     torch.manual_seed(0)
     model = TinyChain(n_blocks=3, d=16)

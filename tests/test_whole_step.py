@@ -26,9 +26,9 @@ from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.planning.memory_model import predict_peak
 from lightning_ckpt.planning.nested_planner import solve_nested
 from lightning_ckpt.planning.recompute_cost import recompute_cost
-from lightning_ckpt.profiling.batch import slice_batch
-from lightning_ckpt.profiling.discovery import discover_chain
-from lightning_ckpt.profiling.profiler import probe_step
+from lightning_ckpt.profiling.structure.batch import slice_batch
+from lightning_ckpt.profiling.structure.discovery import discover_chain
+from lightning_ckpt.profiling.passes.profiler import probe_step
 
 MiB = 2**20
 

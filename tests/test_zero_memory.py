@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from models import TinyChain
 
-from lightning_ckpt.profiling.static_memory import StaticMemory
-from lightning_ckpt.profiling.zero_memory import (
+from lightning_ckpt.profiling.memory.static_memory import StaticMemory
+from lightning_ckpt.profiling.memory.zero_memory import (
     PRECISIONS,
     STAGES,
     ZeroMemory,

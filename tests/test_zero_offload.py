@@ -208,7 +208,7 @@ def _probe():  # pragma: no cover - runs in the job
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx != MEASURED_STEP:
                 return
-            from lightning_ckpt.profiling.tracker import unique_storage_bytes
+            from lightning_ckpt.profiling.memory.tracker import unique_storage_bytes
 
             engine = trainer.strategy.model
             host = host_tensors(engine, pl_module)
@@ -251,7 +251,7 @@ def _callback(budget, **kw):  # pragma: no cover - runs in the job
 
 
 def _run(run: str) -> dict:  # pragma: no cover - runs in the job
-    from lightning_ckpt.profiling.zero_memory import zero_memory
+    from lightning_ckpt.profiling.memory.zero_memory import zero_memory
 
     _, plain = _fit(run, [])
     cb, probe = _callback(BUDGETS[run]), _probe()

@@ -13,7 +13,7 @@ import pytest
 import zoo_models
 from zoo_check import check
 
-import lightning_ckpt.profiling.rates as rates_module
+import lightning_ckpt.profiling.machine.rates as rates_module
 from lightning_ckpt.costs.machine_rates import MachineRates
 
 MODELS = ["t5", "t5_both", "bert", "llama", "lora_llama", "vit", "unet", "resnet", "albert", "swin", "convnext", "two_views"]

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ckpt.profiling.tp_work import has_dtensor
-from lightning_ckpt.profiling.tracker import LiveBytesTracker
+from lightning_ckpt.profiling.work.tp_work import has_dtensor
+from lightning_ckpt.profiling.memory.tracker import LiveBytesTracker
 from test_tensor_parallel import BATCH, D_MODEL, MEASURED_STEP, N_BLOCKS, SEQ, STEPS, VOCAB
 from tp_models import LlamaBlock, tp_plan
 
@@ -143,9 +143,9 @@ class StepProbe(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step != MEASURED_STEP:
             return
-        from lightning_ckpt.profiling.batch import tensors_in
-        from lightning_ckpt.profiling.fsdp_memory import fsdp_params
-        from lightning_ckpt.profiling.step_peak import state_tensors
+        from lightning_ckpt.profiling.structure.batch import tensors_in
+        from lightning_ckpt.profiling.memory.fsdp_memory import fsdp_params
+        from lightning_ckpt.profiling.memory.step_peak import state_tensors
 
         outputs = [t for p in fsdp_params(pl_module) for t in p.all_gather_outputs]
         state = [t for o in trainer.optimizers for s in o.state.values() for t in s.values()]
@@ -159,10 +159,10 @@ class StepProbe(pl.Callback):
             self.peak_bytes = max(self.tracker.peak_bytes, self.tracker.with_outputs)
         if trainer.global_step == STEPS:
             from lightning_ckpt.frontends.lightning.strategy_hooks import strategy_static_memory
-            from lightning_ckpt.profiling.fsdp_memory import fsdp_held_bytes, model_fsdp_memory
-            from lightning_ckpt.profiling.step_peak import state_tensors
-            from lightning_ckpt.profiling.tp_memory import local_nbytes
-            from lightning_ckpt.profiling.tracker import storage_bytes, unique_storage_bytes
+            from lightning_ckpt.profiling.memory.fsdp_memory import fsdp_held_bytes, model_fsdp_memory
+            from lightning_ckpt.profiling.memory.step_peak import state_tensors
+            from lightning_ckpt.profiling.memory.tp_memory import local_nbytes
+            from lightning_ckpt.profiling.memory.tracker import storage_bytes, unique_storage_bytes
 
             fsdp = model_fsdp_memory(pl_module)
             if fsdp is not None:

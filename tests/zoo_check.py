@@ -13,10 +13,10 @@ from lightning_ckpt import auto_checkpoint, make_plan, measure_step_peak
 from lightning_ckpt.engine.target_plan import cost_at
 from lightning_ckpt.engine.model_prep import prepare_model
 from lightning_ckpt.engine.step_profile import profile_model
-from lightning_ckpt.profiling.batch import batch_size_of
-from lightning_ckpt.profiling.block_calls import call_chain
-from lightning_ckpt.profiling.state import preserved_state
-from lightning_ckpt.profiling.static_memory import static_memory
+from lightning_ckpt.profiling.structure.batch import batch_size_of
+from lightning_ckpt.profiling.structure.block_calls import call_chain
+from lightning_ckpt.profiling.forward_state.state import preserved_state
+from lightning_ckpt.profiling.memory.static_memory import static_memory
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,11 @@ from torch.utils._pytree import tree_map
 
 from lightning_ckpt.apply.segments import apply_segments
 from lightning_ckpt.planning.timing_fit import BlockTiming, saving_undecided
-from lightning_ckpt.profiling.batch import first_tensor
-from lightning_ckpt.profiling.block_calls import CallSites, hook_calls
-from lightning_ckpt.profiling.rates import TinyOpsBlock, count_op_calls, step_clock
-from lightning_ckpt.profiling.state import preserved_state
-from lightning_ckpt.profiling.tracker import LiveBytesTracker, storage_bytes
+from lightning_ckpt.profiling.structure.batch import first_tensor
+from lightning_ckpt.profiling.structure.block_calls import CallSites, hook_calls
+from lightning_ckpt.profiling.machine.rates import TinyOpsBlock, count_op_calls, step_clock
+from lightning_ckpt.profiling.forward_state.state import preserved_state
+from lightning_ckpt.profiling.memory.tracker import LiveBytesTracker, storage_bytes
 
 OpKey = tuple[str, int]
 

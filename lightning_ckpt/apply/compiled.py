@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_ckpt.apply.segments import AppliedPlan
 from lightning_ckpt.apply.state_guard import StateGuard
-from lightning_ckpt.profiling.applied_marks import mark, refuse_marked
+from lightning_ckpt.profiling.forward_state.applied_marks import mark, refuse_marked
 
 __all__ = [
     "CompiledRegion",

@@ -40,12 +40,12 @@ from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.planning.op_options import block_options, option_items
 from lightning_ckpt.planning.timing_fit import BlockTiming, fit_keep_ops_op_s, fit_op_call_s, with_block_timings
-from lightning_ckpt.profiling.batch import batch_size_of
-from lightning_ckpt.profiling.measured_cache import kept, machine_key
-from lightning_ckpt.profiling.rates import check_rates_dict
-from lightning_ckpt.profiling.profile_budget import released
-from lightning_ckpt.profiling.state import preserved_state
-from lightning_ckpt.profiling.tracker import LiveBytesOverLimit, flat_tensors, unique_storage_bytes
+from lightning_ckpt.profiling.structure.batch import batch_size_of
+from lightning_ckpt.profiling.machine.measured_cache import kept, machine_key
+from lightning_ckpt.profiling.machine.rates import check_rates_dict
+from lightning_ckpt.profiling.passes.profile_budget import released
+from lightning_ckpt.profiling.forward_state.state import preserved_state
+from lightning_ckpt.profiling.memory.tracker import LiveBytesOverLimit, flat_tensors, unique_storage_bytes
 from lightning_ckpt.units import format_bytes
 
 __all__ = [
@@ -65,7 +65,7 @@ _VERSION = 2
 
 
 def _sharded(blocks: Sequence[nn.Module]) -> bool:
-    from lightning_ckpt.profiling.gather import sharded_world_size
+    from lightning_ckpt.profiling.work.gather import sharded_world_size
 
     return sharded_world_size(blocks) > 1
 
@@ -204,7 +204,7 @@ def _finite(name: str, value: Any, optional: bool = False) -> None:
 def _check_calibration(data: Any) -> None:
     """Raise `ValueError`/`TypeError` unless `data` is a calibration as `calibrated_profile` keeps
     it: block indices to `BlockTiming` fields (exactly those, finite numbers, no bools), and rates
-    as `profiling.rates.check_rates_dict` accepts them, or null."""
+    as `profiling.machine.rates.check_rates_dict` accepts them, or null."""
     if not isinstance(data, dict) or set(data) != {"timings", "rates"}:
         raise ValueError(f"a calibration is an object of 'timings' and 'rates', not {data!r:.80}")
     if not isinstance(data["timings"], dict):
@@ -251,7 +251,7 @@ def calibrated_profile(
     measured (`measure_keep_overheads`) and then `op_call_s` and `keep_ops_op_s` become the
     fits to the measured blocks (`planning.timing_fit`). Each probe's
     `meta["keep_calibration_s"]` says how long the measurement took. What was measured is kept
-    between runs (`profiling.measured_cache`) for the same machine, blocks (their counted work),
+    between runs (`profiling.machine.measured_cache`) for the same machine, blocks (their counted work),
     batch size, autocast and rates: a later run plans from the same numbers. With `limit_bytes`, every pass
     stays within it (`measure_step_blocks`); a calibration with blocks left out for it is not kept."""
     t0 = time.perf_counter()

@@ -12,9 +12,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_ckpt.profiling.op_keys import OpCallCounter, is_random_op
-from lightning_ckpt.profiling.op_profile import zero_one_draws
-from lightning_ckpt.profiling.tracker import storage_key
+from lightning_ckpt.profiling.work.op_keys import OpCallCounter, is_random_op
+from lightning_ckpt.profiling.work.op_profile import zero_one_draws
+from lightning_ckpt.profiling.memory.tracker import storage_key
 
 OpKey = tuple[str, int]
 

@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 from torch.utils.checkpoint import CheckpointError
 
-from lightning_ckpt.profiling.model_configs import configs_phrase, fills_cache, hf_configs, module_label
+from lightning_ckpt.profiling.structure.model_configs import configs_phrase, fills_cache, hf_configs, module_label
 
 
 class RecomputeMismatchError(CheckpointError):

@@ -32,9 +32,9 @@ from lightning_ckpt.apply.hook_order import put_first, put_last, stands_behind
 from lightning_ckpt.apply.selective import SelectiveKeep, validate_keep_ops
 from lightning_ckpt.apply.state_guard import Stacked, StateGuard, StateRestore
 from lightning_ckpt.planning.nested_model import validate_nested
-from lightning_ckpt.profiling.applied_marks import mark, refuse_marked
-from lightning_ckpt.profiling.block_calls import CallSites
-from lightning_ckpt.profiling.chain_check import receives_output, tensor_version
+from lightning_ckpt.profiling.forward_state.applied_marks import mark, refuse_marked
+from lightning_ckpt.profiling.structure.block_calls import CallSites
+from lightning_ckpt.profiling.structure.chain_check import receives_output, tensor_version
 
 __all__ = ["AppliedPlan", "apply_plan", "apply_segments"]
 
@@ -376,7 +376,7 @@ def apply_segments(
 
     `keep_ops` maps a block that is its own segment `(i, i)` to the op calls of its forward
     to keep instead of recomputing, each named `(op name, call index)` as
-    `profiling.op_keys.OpCallCounter` numbers them, e.g. `{3: [("aten.addmm.default", 0)]}`.
+    `profiling.work.op_keys.OpCallCounter` numbers them, e.g. `{3: [("aten.addmm.default", 0)]}`.
     Kept random calls (dropout's `bernoulli_`) keep their draws; the rest draw again as in
     the forward. Keys the block's first forward never makes raise a ValueError there.
     A one-block inner segment may keep op calls too.

@@ -29,8 +29,8 @@ from lightning_ckpt.apply.kept_draws import (
     tensors_of,
     written_arguments,
 )
-from lightning_ckpt.profiling.op_keys import OpCallCounter, is_random_op
-from lightning_ckpt.profiling.tracker import storage_key
+from lightning_ckpt.profiling.work.op_keys import OpCallCounter, is_random_op
+from lightning_ckpt.profiling.memory.tracker import storage_key
 
 __all__ = ["SelectiveKeep", "validate_keep_ops"]
 

@@ -4,7 +4,7 @@ Some modules write state in their forward and compute with it: BatchNorm's runni
 spectral norm's power-iteration vectors, QAT observers and fake-quantize parameters, counters,
 buffers rebound to a new tensor. A recompute that ran on the state the forward left would compute
 other values and advance the state a second time. `StateGuard` finds once (per train/eval mode of
-the region's modules) which slots (`profiling.written_state`) the region's forward writes, copies
+the region's modules) which slots (`profiling.forward_state.written_state`) the region's forward writes, copies
 them at each opening of the region, and runs each recompute on a fresh copy of that pre-forward
 state; afterwards the slots get back the very objects the forward left, untouched. A region whose
 forward writes nothing pays nothing but the check of its modules' modes at each opening.
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt.profiling.written_state import (
+from lightning_ckpt.profiling.forward_state.written_state import (
     Slot,
     fingerprint,
     get_slot,

@@ -114,14 +114,14 @@ class BlockCost:
     tail_rng_bytes: the part of `fwd_rng_bytes` after the last saved tensor.
     fwd_comm_bytes: bytes the forward moves through functional collectives (tensor parallelism's
         all-reduce after a row-wise layer, sequence parallelism's all-gather and reduce-scatter), as
-        all-gather outputs that move as much per rank (`profiling.tp_work`): a recompute runs them
+        all-gather outputs that move as much per rank (`profiling.work.tp_work`): a recompute runs them
         again, at the measured all-gather rate (`MachineRates.gather_byte_per_s`). Work, not memory.
     tail_comm_bytes: the part of `fwd_comm_bytes` after the last saved tensor.
     fwd_ms: measured forward wall time, milliseconds.
     chains_from_previous: the block's first input is the previous block's output, or an alias of
         it (`chaining.receives_output`); needed to run several blocks in one checkpointed segment.
     gather_bytes: parameter bytes the block's recompute all-gathers beyond a step without
-        checkpointing (ZeRO-3 fetches its partitioned parameters again; `profiling.gather`).
+        checkpointing (ZeRO-3 fetches its partitioned parameters again; `profiling.work.gather`).
         The same at every batch size; 0 when the block is not sharded.
     ops: the block's op calls in forward order (`OpCost`); empty when not profiled per op.
     keep_saved_ms: measured time one forward + backward of the block, checkpointed alone, saves
@@ -130,7 +130,7 @@ class BlockCost:
         (`lightning_ckpt.apply.keep_calibration`).
     keep_draws_saved_ms: the same when it keeps only its random calls; None when not measured
         or when it has none to keep.
-    carried_fwd_bytes: storages that outlive their neighbour edge (`profiling.lifetimes`: a U-Net
+    carried_fwd_bytes: storages that outlive their neighbour edge (`profiling.memory.lifetimes`: a U-Net
         skip, the encoder output every decoder block reads, what modules outside the chain save, a
         block's output kept for a later module) alive while this block runs forward. Such a storage
         is in no other field of any block: its bytes are counted here and in `carried_bwd_bytes`

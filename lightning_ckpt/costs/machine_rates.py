@@ -1,6 +1,6 @@
 """How fast a device does each kind of forward work: the parameters of the `time` cost metric.
 
-Plain data: `profiling.rates.measure_rates` measures them, `planning.recompute_cost`
+Plain data: `profiling.machine.rates.measure_rates` measures them, `planning.recompute_cost`
 turns counted work into estimated time with them.
 """
 
@@ -33,7 +33,7 @@ class MachineRates:
         modes as well). Both 0 when not measured.
     device, flop_dtype, mem_dtype: where and in what they were measured.
     gather_byte_per_s: bytes per second that `all_gather_into_tensor` delivers (its output)
-        on the process group of sharded training (`profiling.gather`); None when the blocks
+        on the process group of sharded training (`profiling.work.gather`); None when the blocks
         are not sharded over more than one rank, and then a block's `gather_bytes` cost nothing.
 
     `fwd_ms` turns a block's counted work into estimated milliseconds, `gather_ms` the
@@ -59,7 +59,7 @@ class MachineRates:
             if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
                 raise ValueError(
                     f"MachineRates: {name}={value!r} must be a positive finite rate; measure it with "
-                    "lightning_ckpt.profiling.rates.measure_rates() or give a positive number."
+                    "lightning_ckpt.profiling.machine.rates.measure_rates() or give a positive number."
                 )
         for name in ("segment_s", "op_call_s", "keep_draws_op_s", "keep_ops_op_s"):
             value = getattr(self, name)
@@ -72,7 +72,7 @@ class MachineRates:
         if rate is not None and not (isinstance(rate, (int, float)) and 0 < rate < float("inf")):
             raise ValueError(
                 f"MachineRates: gather_byte_per_s={rate!r} must be a positive finite rate, or None when "
-                "the blocks are not sharded; measure it with lightning_ckpt.profiling.gather.measure_gather_rate()."
+                "the blocks are not sharded; measure it with lightning_ckpt.profiling.work.gather.measure_gather_rate()."
             )
 
     def fwd_ms(self, flops: float, mem_bytes: float, rng_bytes: float, op_calls: int = 0) -> float:

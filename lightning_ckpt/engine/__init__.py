@@ -9,6 +9,6 @@ from lightning_ckpt.engine import arguments
 from lightning_ckpt.engine.checkpoint_engine import CheckpointEngine, EngineSettings, StepDriver
 from lightning_ckpt.engine.shape_plans import ShapeDecision
 from lightning_ckpt.planning.policies import POLICIES
-from lightning_ckpt.profiling.shapes import BatchShape
+from lightning_ckpt.profiling.structure.shapes import BatchShape
 
 __all__ = ["POLICIES", "BatchShape", "CheckpointEngine", "EngineSettings", "ShapeDecision", "StepDriver", "arguments"]

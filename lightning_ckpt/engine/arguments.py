@@ -15,7 +15,7 @@ import torch
 from lightning_ckpt.planning.op_options import GRANULARITIES
 from lightning_ckpt.planning.policies import POLICIES
 from lightning_ckpt.planning.recompute_cost import COST_METRICS
-from lightning_ckpt.profiling.rss import available_host_bytes
+from lightning_ckpt.profiling.memory.rss import available_host_bytes
 
 DEFAULT_CUDA_FRACTION = 0.9  # the default budget on CUDA: this share of the memory free at fit start
 # the default host budget: this share of the host memory available at fit start, split between the local ranks

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from lightning_ckpt.planning.nested_planner import NESTED_MAX_BLOCKS
 from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.planning.policies import InfeasibleBudgetError
-from lightning_ckpt.profiling.discovery import NEAR_BEST_SHARE, REST, ChainChoice
+from lightning_ckpt.profiling.structure.discovery import NEAR_BEST_SHARE, REST, ChainChoice
 from lightning_ckpt.units import format_bytes
 
 __all__ = [

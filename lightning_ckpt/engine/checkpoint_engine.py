@@ -35,11 +35,11 @@ from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.planning.policies import InfeasibleBudgetError, python_state_note
-from lightning_ckpt.profiling.applied_marks import refuse_marked
-from lightning_ckpt.profiling.layer_skipping import find_layer_skipping
-from lightning_ckpt.profiling.profile_budget import ProfileBudget, ProfileBudgetError, batch_bytes
-from lightning_ckpt.profiling.shapes import BatchShape, shape_of
-from lightning_ckpt.profiling.static_memory import StaticMemory
+from lightning_ckpt.profiling.forward_state.applied_marks import refuse_marked
+from lightning_ckpt.profiling.structure.layer_skipping import find_layer_skipping
+from lightning_ckpt.profiling.passes.profile_budget import ProfileBudget, ProfileBudgetError, batch_bytes
+from lightning_ckpt.profiling.structure.shapes import BatchShape, shape_of
+from lightning_ckpt.profiling.memory.static_memory import StaticMemory
 from lightning_ckpt.engine.shape_plans import CostSource, ShapeDecision, ShapePlans, largest_shape, met_again, same_regions
 from lightning_ckpt.engine.shape_plans import describe as describe_decision
 from lightning_ckpt.engine.step_calls import new_step, read_calls
@@ -80,7 +80,7 @@ class CheckpointEngine:
         self._bound: tuple[list, list[weakref.ref]] | None = None
         self._calls_read = False  # whether `blocks` is the chain of calls read off a step (`read_calls`)
         self._odd_calls_told = False
-        self._skipping = False  # the model skips layers at random in training (`profiling.layer_skipping`)
+        self._skipping = False  # the model skips layers at random in training (`profiling.structure.layer_skipping`)
 
     # ------------------------------------------------------------------ binding and state
 
@@ -383,7 +383,7 @@ class CheckpointEngine:
         return profile
 
     def _profile_budget(self, batch: Any, own: bool) -> ProfileBudget:
-        """Profiling's room (`profiling.profile_budget`): the budget less the static memory (optimizer state
+        """Profiling's room (`profiling.passes.profile_budget`): the budget less the static memory (optimizer state
         once it exists) and, beside a prefix of the step's batch, that batch."""
         self._static = self._static or self.driver.static_memory()
         self._held_batch_bytes = batch_bytes(batch) if own else self._held_batch_bytes

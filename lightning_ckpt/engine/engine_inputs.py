@@ -18,8 +18,8 @@ from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.engine.target_plan import PlanRequest
 from lightning_ckpt.planning.plan import Plan
-from lightning_ckpt.profiling.profile_budget import ProfileBudget, SliceRoom
-from lightning_ckpt.profiling.static_memory import StaticMemory
+from lightning_ckpt.profiling.passes.profile_budget import ProfileBudget, SliceRoom
+from lightning_ckpt.profiling.memory.static_memory import StaticMemory
 
 
 @dataclass(frozen=True)
@@ -61,12 +61,12 @@ class StepDriver(Protocol):
         time_blocks: bool = True, budget: ProfileBudget | None = None,
     ) -> Profile:
         """One profile of the step on slices of `batch`, every state put back (`time_blocks`: each
-        block's forward timed too; `budget`: every pass within it, `profiling.profile_budget`)."""
+        block's forward timed too; `budget`: every pass within it, `profiling.passes.profile_budget`)."""
 
     def call_chain(
         self, batch: Any, modules: list[torch.nn.Module], names: list[str]
     ) -> tuple[list[torch.nn.Module], list[str]]:
-        """The chain of calls one step on `batch` makes of `modules` (`profiling.block_calls.call_chain`)."""
+        """The chain of calls one step on `batch` makes of `modules` (`profiling.structure.block_calls.call_chain`)."""
 
     def static_memory(self) -> StaticMemory: ...
 
@@ -84,7 +84,7 @@ class StepDriver(Protocol):
 
 
 def reading_room(driver: StepDriver, budget_bytes: int | None, model: torch.nn.Module, batch: Any) -> SliceRoom | None:
-    """The room the forward that reads which blocks there are (`profiling.discovery`) may hold beside `batch`:
+    """The room the forward that reads which blocks there are (`profiling.structure.discovery`) may hold beside `batch`:
     profiling's (the budget less the static memory, the optimizer state once it exists, the gradients alive
     and the batch); None without a budget."""
     if budget_bytes is None:
@@ -121,7 +121,7 @@ def allowed_python_state(profile: Profile, allow: bool | Sequence[str], names: S
 
 def unchained(profile: Profile) -> Profile:
     """`profile` with no block chaining from the one before (`BlockCost.chains_from_previous`): every segment
-    is one block, as needed when blocks may be skipped in training (LayerDrop: `profiling.layer_skipping`)."""
+    is one block, as needed when blocks may be skipped in training (LayerDrop: `profiling.structure.layer_skipping`)."""
 
     def cut(cost: StepCost) -> StepCost:
         blocks = tuple(dataclasses.replace(b, chains_from_previous=False) if i else b for i, b in enumerate(cost.blocks))

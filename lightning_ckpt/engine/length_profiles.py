@@ -1,7 +1,7 @@
 """A batch of one sequence costed along its tokens: the fit in the length, past the longest profiled one.
 
 A batch of one sample cannot be sliced along the batch, so it is profiled whole when that fits the
-budget and on prefixes of its sequence (`profiling.shapes.slice_length`) that do. Bytes and work
+budget and on prefixes of its sequence (`profiling.structure.shapes.slice_length`) that do. Bytes and work
 are polynomials of degree at most 2 in the length (`planning.shape_profile`); a length past the
 longest profiled one is costed from that polynomial when its leave-one-out check holds, with the
 checked miss, grown with the square of how far the length goes past, held in reserve.
@@ -18,9 +18,9 @@ from lightning_ckpt.costs.block_costs import StepCost
 from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.planning.policies import InfeasibleBudgetError
 from lightning_ckpt.planning.shape_profile import FIT_TOLERANCE, MIN_FIT_LENGTHS, ShapeProfile, checked_bytes
-from lightning_ckpt.profiling.profile_budget import MARGIN, SampleTooLong, checkpointed_first, predicted_pass_bytes
-from lightning_ckpt.profiling.profile_refusal import ProfileRefused, Shortfall, longest_prefix
-from lightning_ckpt.profiling.shapes import BatchShape
+from lightning_ckpt.profiling.passes.profile_budget import MARGIN, SampleTooLong, checkpointed_first, predicted_pass_bytes
+from lightning_ckpt.profiling.passes.profile_refusal import ProfileRefused, Shortfall, longest_prefix
+from lightning_ckpt.profiling.structure.shapes import BatchShape
 from lightning_ckpt.units import format_bytes
 
 FIRST_FRACTIONS = (0.25, 0.5, 0.75, 1.0)  # prefixes profiled first, shortest first: with the whole, a checked quadratic
@@ -40,7 +40,7 @@ def profile_lengths(
     at it (`SampleTooLong`) ends the longer ones. When the whole does not fit, more prefixes between
     those that did are profiled, so that the fit past them is checked on enough lengths, and the whole is
     tried once more: a pass that does not fit unplanned is made under checkpointing, about what the `full`
-    plan holds (`profiling.measured_profile`). -> the lengths profiled."""
+    plan holds (`profiling.passes.measured_profile`). -> the lengths profiled."""
     passes: dict[int, int] = {}
     done: list[int] = []
 
@@ -133,7 +133,7 @@ def longest_by_prefixes(
 ) -> tuple[int, int, tuple[int, ...]]:
     """When the sequence of `length` tokens could not be costed: the longest prefix that is profiled within the
     budget, under checkpointing, between the longest of `done` and `length` (bounded passes, bisecting:
-    `profiling.profile_refusal.longest_prefix`); each profile made is kept by `profile_at` (with enough of
+    `profiling.passes.profile_refusal.longest_prefix`); each profile made is kept by `profile_at` (with enough of
     them, the fit may cost the whole after all). -> (the longest that fit, 0 when none did; the shortest
     tried; the lengths profiled)."""
     lo = max((x for x in done if x < length), default=0)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.planning.policies import InfeasibleBudgetError
-from lightning_ckpt.profiling.shapes import BatchShape
+from lightning_ckpt.profiling.structure.shapes import BatchShape
 from lightning_ckpt.units import format_bytes
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ number of tensors" error, or a shape error) and the cache keeps each step's keys
 turns HF's (and diffusers') own activation checkpointing off through the model's disable method; `restore`
 puts back each module's flag and checkpoint function (so the kwargs, `every_n_layers` and offloading
 come back) and the input embeddings' require-grad hook. What it can only report (`Prepared.hazards`)
-comes from `profiling.forward_hazards.static_hazards`.
+comes from `profiling.forward_state.forward_hazards.static_hazards`.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt.profiling.forward_hazards import static_hazards
-from lightning_ckpt.profiling.model_configs import configs_phrase, fills_cache, hf_configs, module_label
+from lightning_ckpt.profiling.forward_state.forward_hazards import static_hazards
+from lightning_ckpt.profiling.structure.model_configs import configs_phrase, fills_cache, hf_configs, module_label
 
 __all__ = ["ModelCompatWarning", "Prepared", "prepare_model"]
 

@@ -17,7 +17,7 @@ from lightning_ckpt.costs.block_costs import StepCost
 from lightning_ckpt.engine.plan_cache import MAX_PLANS, PlanCache
 from lightning_ckpt.engine.shape_family import CostOf, cost_key
 from lightning_ckpt.planning.plan import Plan
-from lightning_ckpt.profiling.shapes import BatchShape
+from lightning_ckpt.profiling.structure.shapes import BatchShape
 
 
 class PlannedCosts:

@@ -17,7 +17,7 @@ from lightning_ckpt.engine.length_profiles import EXTRAPOLATE, GROW, extrapolate
 from lightning_ckpt.planning.cost_combination import with_pre_saved
 from lightning_ckpt.planning.shape_grid import GridProfile, Reach
 from lightning_ckpt.planning.shape_profile import FIT_TOLERANCE, ShapeProfile, checked_bytes
-from lightning_ckpt.profiling.shapes import BatchShape, alignment, axes_of, length_of, point_of, varying_positions
+from lightning_ckpt.profiling.structure.shapes import BatchShape, alignment, axes_of, length_of, point_of, varying_positions
 from lightning_ckpt.units import format_bytes
 
 BUCKET = 0.125  # a profiled shape up to this much larger in every varying size may stand in for a new one
@@ -56,7 +56,7 @@ class ShapeFamily:
         return self._layout()[0]
 
     def axes(self) -> tuple:
-        """The varying positions grouped into independent sizes (`profiling.shapes.axes_of`)."""
+        """The varying positions grouped into independent sizes (`profiling.structure.shapes.axes_of`)."""
         return self._layout()[1]
 
     def _layout(self) -> tuple[tuple, tuple]:

@@ -47,9 +47,9 @@ from lightning_ckpt.engine.shape_family import (  # noqa: F401 - BUCKET and samp
 )
 from lightning_ckpt.planning.shape_grid import grown_point
 from lightning_ckpt.costs.budget_error import InfeasibleBudgetError
-from lightning_ckpt.profiling.profile_budget import MARGIN, SampleTooLong
-from lightning_ckpt.profiling.profile_refusal import Shortfall
-from lightning_ckpt.profiling.shapes import (
+from lightning_ckpt.profiling.passes.profile_budget import MARGIN, SampleTooLong
+from lightning_ckpt.profiling.passes.profile_refusal import Shortfall
+from lightning_ckpt.profiling.structure.shapes import (
     BatchShape,
     crop,
     crop_points,
@@ -258,7 +258,7 @@ class ShapePlans:
         return done
 
     def _profile_crops(self, family: ShapeFamily, batch: Any, shape: BatchShape) -> None:
-        """Profile crops of a batch whose sizes vary apart on several axes (`profiling.shapes.crop_points`),
+        """Profile crops of a batch whose sizes vary apart on several axes (`profiling.structure.shapes.crop_points`),
         one at a time until the fit over every profiled size passes its check; none once it does (a new
         batch then only refines it) or once the fit has `MAX_GRID_POINTS` points."""
         axes, point = family.axes(), family.point(shape)

@@ -1,5 +1,5 @@
 """The engine's blocks as calls: the chain of calls a step makes of the blocks it was given, read once
-after `bind` (`profiling.block_calls`), and the applied plan's count of calls started again at every step.
+after `bind` (`profiling.structure.block_calls`), and the applied plan's count of calls started again at every step.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from lightning_ckpt.engine.engine_inputs import block_signature
-from lightning_ckpt.profiling.block_calls import BlocksNeverRan
+from lightning_ckpt.profiling.structure.block_calls import BlocksNeverRan
 
 
 def _distinct(names: list[str], blocks: list[torch.nn.Module]) -> list[tuple[str, torch.nn.Module]]:
@@ -22,7 +22,7 @@ def _distinct(names: list[str], blocks: list[torch.nn.Module]) -> list[tuple[str
 
 def read_calls(engine: Any, batch: Any) -> None:
     """Once after `bind`: the blocks become the chain of calls a step on `batch` makes of them
-    (`profiling.block_calls`: a module called several times per step is one block per call)."""
+    (`profiling.structure.block_calls`: a module called several times per step is one block per call)."""
     read = getattr(engine.driver, "call_chain", None)
     if engine._calls_read or read is None:
         return

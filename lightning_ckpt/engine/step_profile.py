@@ -13,9 +13,9 @@ from torch import nn
 
 from lightning_ckpt.apply.keep_calibration import calibrated_profile
 from lightning_ckpt.costs.linear_fit import Profile
-from lightning_ckpt.profiling.layer_skipping import layers_always_run
-from lightning_ckpt.profiling.measured_profile import measure_profile
-from lightning_ckpt.profiling.profiler import StepFn
+from lightning_ckpt.profiling.structure.layer_skipping import layers_always_run
+from lightning_ckpt.profiling.passes.measured_profile import measure_profile
+from lightning_ckpt.profiling.passes.profiler import StepFn
 
 
 def profile_model(
@@ -23,7 +23,7 @@ def profile_model(
     calibrate_keeps: bool = True, **kwargs: Any,
 ) -> Profile:
     """Probe at two small slices of `batch` (and check on a third) -> `Profile`: the arguments
-    after `batch` are those of `profiling.measured_profile.measure_profile` (`probe_batch_sizes`,
+    after `batch` are those of `profiling.passes.measured_profile.measure_profile` (`probe_batch_sizes`,
     `check_batch_size`, `names`, `timing`, `rates`, `time_blocks`).
 
     With `timing` and `calibrate_keeps`, each distinct block with op calls to keep is then timed

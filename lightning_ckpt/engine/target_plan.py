@@ -18,8 +18,8 @@ from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.units import format_bytes
 from lightning_ckpt.planning.policies import InfeasibleBudgetError, make_plan
-from lightning_ckpt.profiling.shapes import BatchShape
-from lightning_ckpt.profiling.static_memory import StaticMemory
+from lightning_ckpt.profiling.structure.shapes import BatchShape
+from lightning_ckpt.profiling.memory.static_memory import StaticMemory
 
 
 @dataclass(frozen=True)

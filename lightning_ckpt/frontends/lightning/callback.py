@@ -27,7 +27,7 @@ from lightning_ckpt.frontends.lightning import loader_batch_size as loader
 from lightning_ckpt.frontends.lightning import measured_peak, resume
 from lightning_ckpt.frontends.lightning.lightning_driver import LightningDriver
 from lightning_ckpt.frontends.lightning.loggers import finish_reports, log_metrics, write_plan_report
-from lightning_ckpt.profiling.tracker import StepBytesTracker
+from lightning_ckpt.profiling.memory.tracker import StepBytesTracker
 from lightning_ckpt.report.summary import plan_metrics, plan_summary
 from lightning_ckpt.units import parse_bytes
 

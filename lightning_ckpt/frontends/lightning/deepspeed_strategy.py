@@ -25,8 +25,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_ckpt.profiling.static_memory import StaticMemory
-from lightning_ckpt.profiling.zero_memory import PRECISIONS, ZeroMemory, ZeroOffload, zero_memory
+from lightning_ckpt.profiling.memory.static_memory import StaticMemory
+from lightning_ckpt.profiling.memory.zero_memory import PRECISIONS, ZeroMemory, ZeroOffload, zero_memory
 
 __all__ = ["DeepSpeedStrategy"]
 

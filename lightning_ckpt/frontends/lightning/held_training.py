@@ -3,7 +3,7 @@
 While the callback profiles, every optimizer's `step` and `zero_grad` (Lightning's wrappers and
 the optimizers they wrap) and every lr scheduler's `step` do nothing, so neither the model nor
 Lightning's progress counters (`global_step`) move; optimizer and scheduler state, `requires_grad`
-flags and the rest of `profiling.state` come back as found on every path. Under manual optimization
+flags and the rest of `profiling.forward_state.state` come back as found on every path. Under manual optimization
 `manual_backward` records its losses instead of running backward: the profiler runs one backward through
 all of them itself.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_ckpt.profiling.state import preserved_state, unchanged_parameters
+from lightning_ckpt.profiling.forward_state.state import preserved_state, unchanged_parameters
 
 StepFn = Callable[[Any], Any]
 

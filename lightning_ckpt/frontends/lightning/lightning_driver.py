@@ -19,11 +19,11 @@ from lightning_ckpt.frontends.lightning.strategy_hooks import strategy_static_me
 from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.planning.plan import Plan
-from lightning_ckpt.profiling.blocks import resolve_blocks
-from lightning_ckpt.profiling.discovery import ChainChoice
-from lightning_ckpt.profiling.profile_budget import ProfileBudget
+from lightning_ckpt.profiling.structure.blocks import resolve_blocks
+from lightning_ckpt.profiling.structure.discovery import ChainChoice
+from lightning_ckpt.profiling.passes.profile_budget import ProfileBudget
 from lightning_ckpt.engine.engine_inputs import reading_room
-from lightning_ckpt.profiling.static_memory import StaticMemory
+from lightning_ckpt.profiling.memory.static_memory import StaticMemory
 
 
 class LightningDriver:
@@ -77,7 +77,7 @@ class LightningDriver:
         self, pl_module: pl.LightningModule, blocks: str | list[str] | None, batch: Any, budget_bytes: int | None = None,
     ) -> tuple[list[str], list[torch.nn.Module]] | ChainChoice:
         """The blocks `blocks` names; with None, the chains `batch`'s step offers at each level of the module
-        tree (`profiling.discovery`: the engine plans them to choose; read within `budget_bytes`), said once."""
+        tree (`profiling.structure.discovery`: the engine plans them to choose; read within `budget_bytes`), said once."""
         if blocks is not None:
             _, names, modules = resolve_blocks(pl_module, blocks)
             return names, modules

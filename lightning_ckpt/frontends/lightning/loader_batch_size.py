@@ -18,8 +18,8 @@ from lightning.pytorch.utilities.parsing import (
     lightning_setattr,
 )
 
-from lightning_ckpt.profiling.batch import batch_size_of
-from lightning_ckpt.profiling.state import preserved_rng
+from lightning_ckpt.profiling.structure.batch import batch_size_of
+from lightning_ckpt.profiling.forward_state.state import preserved_rng
 
 
 def set_loader_batch_size(trainer: pl.Trainer, pl_module: pl.LightningModule, attr: str, size: int) -> None:

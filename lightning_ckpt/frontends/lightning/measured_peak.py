@@ -25,11 +25,11 @@ from lightning_ckpt.frontends.lightning.loggers import log_metrics
 from lightning_ckpt.frontends.lightning.strategy_hooks import strategy_host_tensors
 from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.units import format_bytes
-from lightning_ckpt.profiling.allocator import AllocatorSetting, follow_tensors
-from lightning_ckpt.profiling.batch import tensors_in
-from lightning_ckpt.profiling.rss import RssPeak, current_anon_bytes, current_rss_bytes
-from lightning_ckpt.profiling.step_peak import state_tensors
-from lightning_ckpt.profiling.tracker import LiveBytesTracker
+from lightning_ckpt.profiling.memory.allocator import AllocatorSetting, follow_tensors
+from lightning_ckpt.profiling.structure.batch import tensors_in
+from lightning_ckpt.profiling.memory.rss import RssPeak, current_anon_bytes, current_rss_bytes
+from lightning_ckpt.profiling.memory.step_peak import state_tensors
+from lightning_ckpt.profiling.memory.tracker import LiveBytesTracker
 from lightning_ckpt.report.files import REPORT_JSON, write_whole
 
 

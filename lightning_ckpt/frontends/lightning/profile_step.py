@@ -5,7 +5,7 @@ context, inside the strategy's profiling context and with `self.log` muted, so t
 see what training sees and leave the run (metrics, gradients, DeepSpeed's state) alone;
 optimizer and scheduler steps are skipped and, under manual optimization, the profiler
 runs the backward that `manual_backward` is given (`held_training`).
-Under sharded training every rank also measures the all-gather rate (`profiling.gather`); a loss
+Under sharded training every rank also measures the all-gather rate (`profiling.work.gather`); a loss
 computed under `loss_parallel` is backpropagated under it (`loss_parallel`).
 """
 
@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_ckpt.profiling.batch import checked_size
+from lightning_ckpt.profiling.structure.batch import checked_size
 from lightning_ckpt.frontends.lightning.compiled import compiled_by, eager_only, one_block_profile
 from lightning_ckpt.frontends.lightning.held_training import held_training
 from lightning_ckpt.frontends.lightning.loss_parallel import held_loss_parallel
@@ -25,11 +25,11 @@ from lightning_ckpt.frontends.lightning.muted_logging import muted_logging
 from lightning_ckpt.frontends.lightning.strategy_hooks import profiling_context
 from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.costs.machine_rates import MachineRates
-from lightning_ckpt.profiling.batch import batch_size_of, slice_batch
-from lightning_ckpt.profiling.block_calls import call_chain
-from lightning_ckpt.profiling.discovery import ChainChoice, discover_chain
-from lightning_ckpt.profiling.gather import with_recompute_gather
-from lightning_ckpt.profiling.profile_budget import ProfileBudget, SliceRoom
+from lightning_ckpt.profiling.structure.batch import batch_size_of, slice_batch
+from lightning_ckpt.profiling.structure.block_calls import call_chain
+from lightning_ckpt.profiling.structure.discovery import ChainChoice, discover_chain
+from lightning_ckpt.profiling.work.gather import with_recompute_gather
+from lightning_ckpt.profiling.passes.profile_budget import ProfileBudget, SliceRoom
 from lightning_ckpt.engine.step_profile import profile_model
 
 LINEAR_FIT_TOLERANCE = 0.05  # relative miss at the check size above which the fitted line is reported
@@ -66,7 +66,7 @@ def profile_first_batch(
     `calibrate_keeps` (op-level plans in `time`) also times what keeping op outputs saves;
     `rates` measured by an earlier profile are reused (None: measured now); `time_blocks`: each
     block's forward is timed (the `ms` cost metric needs it); `budget`: every pass within it
-    (`profiling.profile_budget`)."""
+    (`profiling.passes.profile_budget`)."""
     check = probe_sizes(batch, probes, check)
     step_fn = _training_step(trainer, pl_module, batch_idx)
     # optimizers, schedulers and counters held still; a manual step's backward is run by the profiler
@@ -96,7 +96,7 @@ def chain_of_first_batch(
     trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, room: SliceRoom | None = None,
 ) -> ChainChoice:
     """With ``blocks=None``: the chain that covers most of the bytes the training step saves
-    (`profiling.discovery`), measured by one forward on a slice of `batch` (within `room`), every state held."""
+    (`profiling.structure.discovery`), measured by one forward on a slice of `batch` (within `room`), every state held."""
     step_fn = _training_step(trainer, pl_module, 0)
     with held_training(trainer, pl_module, step_fn) as step:
         with profiling_context(trainer), eager_only():
@@ -106,7 +106,7 @@ def chain_of_first_batch(
 def calls_of_first_batch(
     trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[torch.nn.Module], names: list[str], batch: Any
 ) -> tuple[list[torch.nn.Module], list[str]]:
-    """The chain of calls the training step makes of `modules` (`profiling.block_calls`), read by one
+    """The chain of calls the training step makes of `modules` (`profiling.structure.block_calls`), read by one
     forward on two samples of `batch` (one BatchNorm cannot train on one), every state held."""
     step_fn = _training_step(trainer, pl_module, 0)
     with held_training(trainer, pl_module, step_fn) as step:

@@ -29,8 +29,8 @@ from lightning_ckpt.planning.memory_model import predict_peak, segment_of, valid
 from lightning_ckpt.planning.nested_model import depth_of, validate_nested
 from lightning_ckpt.planning.op_options import validate_keeps
 from lightning_ckpt.planning.plan import Plan
-from lightning_ckpt.profiling.shapes import BatchShape
-from lightning_ckpt.profiling.static_memory import StaticMemory
+from lightning_ckpt.profiling.structure.shapes import BatchShape
+from lightning_ckpt.profiling.memory.static_memory import StaticMemory
 from lightning_ckpt.units import format_bytes
 
 # the callback state's entries and their types (each plain data as its `to_dict` writes it)

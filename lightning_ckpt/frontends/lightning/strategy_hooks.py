@@ -13,9 +13,9 @@ import contextlib
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from lightning_ckpt.profiling.ddp_memory import ddp_comm_buffer_bytes
-from lightning_ckpt.profiling.fsdp_memory import fsdp_host_tensors, model_fsdp_memory
-from lightning_ckpt.profiling.static_memory import StaticMemory, static_memory
+from lightning_ckpt.profiling.memory.ddp_memory import ddp_comm_buffer_bytes
+from lightning_ckpt.profiling.memory.fsdp_memory import fsdp_host_tensors, model_fsdp_memory
+from lightning_ckpt.profiling.memory.static_memory import StaticMemory, static_memory
 
 if TYPE_CHECKING:  # only for the annotations: importing Lightning costs seconds
     import lightning.pytorch as pl

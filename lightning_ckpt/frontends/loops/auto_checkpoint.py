@@ -36,11 +36,11 @@ from lightning_ckpt.engine.engine_inputs import reading_room
 from lightning_ckpt.engine.measured_steps import MeasuredStep
 from lightning_ckpt.frontends.loops.plain_driver import PlainDriver, StepFn
 from lightning_ckpt.planning.plan import Plan
-from lightning_ckpt.profiling.blocks import resolve_blocks
-from lightning_ckpt.profiling.discovery import discover_chain
-from lightning_ckpt.profiling.state import preserved_rng
-from lightning_ckpt.profiling.shapes import BatchShape, shape_of
-from lightning_ckpt.profiling.static_memory import KNOWN_OPTIMIZERS
+from lightning_ckpt.profiling.structure.blocks import resolve_blocks
+from lightning_ckpt.profiling.structure.discovery import discover_chain
+from lightning_ckpt.profiling.forward_state.state import preserved_rng
+from lightning_ckpt.profiling.structure.shapes import BatchShape, shape_of
+from lightning_ckpt.profiling.memory.static_memory import KNOWN_OPTIMIZERS
 from lightning_ckpt.report.summary import plan_summary
 from lightning_ckpt.units import parse_bytes
 
@@ -271,7 +271,7 @@ def _plan_first(engine: CheckpointEngine, example_batch: Any, target_batch_size:
 
 
 def example_batch_size(batch: Any) -> int:
-    from lightning_ckpt.profiling.batch import batch_size_of
+    from lightning_ckpt.profiling.structure.batch import batch_size_of
 
     return batch_size_of(batch)
 

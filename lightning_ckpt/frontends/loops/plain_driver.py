@@ -1,7 +1,7 @@
 """The engine's `StepDriver` for a loop the user writes: plain PyTorch, or Fabric after `fabric.setup`.
 
 A step is the user's `step_fn(batch)`, which returns the loss; profiling runs its backward and puts
-every state back (`profiling.profiler`). What the loop does with its gradients between steps is read at
+every state back (`profiling.passes.profiler`). What the loop does with its gradients between steps is read at
 each step's start (`observe_grads`, `loop_grads`). Wrappers are seen through: Fabric's `_FabricModule`,
 `DistributedDataParallel` (profiling runs inside its `no_sync`, so no gradient is reduced) and a
 Fabric optimizer. With `torch.distributed` initialised (Fabric, torchrun) rank 0 plans and every
@@ -24,14 +24,14 @@ from lightning_ckpt.apply.segments import AppliedPlan, apply_segments
 from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.costs.machine_rates import MachineRates
 from lightning_ckpt.planning.plan import Plan
-from lightning_ckpt.profiling.batch import batch_size_of, checked_size, slice_batch
-from lightning_ckpt.profiling.ddp_memory import ddp_comm_buffer_bytes
-from lightning_ckpt.profiling.profile_budget import ProfileBudget
+from lightning_ckpt.profiling.structure.batch import batch_size_of, checked_size, slice_batch
+from lightning_ckpt.profiling.memory.ddp_memory import ddp_comm_buffer_bytes
+from lightning_ckpt.profiling.passes.profile_budget import ProfileBudget
 from lightning_ckpt.engine.step_profile import profile_model
 from lightning_ckpt.frontends.loops.loop_grads import LoopGradients, StepGrads
-from lightning_ckpt.profiling.block_calls import call_chain
-from lightning_ckpt.profiling.state import preserved_rng, preserved_state, unchanged_parameters
-from lightning_ckpt.profiling.static_memory import StaticMemory, static_memory
+from lightning_ckpt.profiling.structure.block_calls import call_chain
+from lightning_ckpt.profiling.forward_state.state import preserved_rng, preserved_state, unchanged_parameters
+from lightning_ckpt.profiling.memory.static_memory import StaticMemory, static_memory
 
 StepFn = Callable[[Any], torch.Tensor]
 
@@ -143,7 +143,7 @@ class PlainDriver:
             self.profiling = False
 
     def call_chain(self, batch: Any, modules: list[nn.Module], names: list[str]) -> tuple[list[nn.Module], list[str]]:
-        """The chain of calls one step makes of `modules` (`profiling.block_calls`), read on two samples of `batch`."""
+        """The chain of calls one step makes of `modules` (`profiling.structure.block_calls`), read on two samples of `batch`."""
         ddp = ddp_module(self.wrapped)
         self.profiling = True
         try:

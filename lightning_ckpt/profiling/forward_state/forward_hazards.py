@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt.profiling.layer_skipping import find_layer_skipping, layer_skipping_note
-from lightning_ckpt.profiling.model_configs import configs_phrase, module_label
-from lightning_ckpt.profiling.tracker import LiveBytesTracker
+from lightning_ckpt.profiling.structure.layer_skipping import find_layer_skipping, layer_skipping_note
+from lightning_ckpt.profiling.structure.model_configs import configs_phrase, module_label
+from lightning_ckpt.profiling.memory.tracker import LiveBytesTracker
 
 _MODULE_DICTS = ("_parameters", "_buffers", "_modules")
 

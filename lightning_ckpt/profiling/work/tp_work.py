@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from lightning_ckpt.profiling.tracker import flat_tensors
+from lightning_ckpt.profiling.memory.tracker import flat_tensors
 
 __all__ = ["any_fake", "collective_bytes", "comm_bytes", "dtensor_in", "has_dtensor", "is_collective"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from lightning_ckpt.profiling.static_memory import StaticMemory
+from lightning_ckpt.profiling.memory.static_memory import StaticMemory
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 STAGES = (0, 1, 2, 3)

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from lightning_ckpt.costs.block_costs import OpCost
-from lightning_ckpt.profiling.op_keys import OpCallCounter, is_random_op
-from lightning_ckpt.profiling.tracker import flat_tensors, storage_bytes, storage_key
+from lightning_ckpt.profiling.work.op_keys import OpCallCounter, is_random_op
+from lightning_ckpt.profiling.memory.tracker import flat_tensors, storage_bytes, storage_key
 
 __all__ = ["OpProfileRecorder", "kept_draw_bytes", "written_args", "zero_one_draws"]
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from lightning_ckpt.profiling.tracker import local_tensor, storage_bytes, storage_key
+from lightning_ckpt.profiling.memory.tracker import local_tensor, storage_bytes, storage_key
 
 __all__ = ["grad_held_bytes", "largest_shard_numel", "local_nbytes", "local_numel", "shard_shape"]
 

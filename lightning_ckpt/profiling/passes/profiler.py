@@ -24,22 +24,22 @@ import torch
 from torch import nn
 
 from lightning_ckpt.costs.block_costs import BlockCost, StepCost, backward_phase_peaks
-from lightning_ckpt.profiling.backward_phases import backward_phases
-from lightning_ckpt.profiling.batch import batch_size_of, tensors_in
-from lightning_ckpt.profiling.block_calls import CallSites, distinct, hook_calls
-from lightning_ckpt.profiling.forward_hazards import PythonStateWatch
-from lightning_ckpt.profiling.forward_passes import nosave_forward_peaks as _nosave_forward_peaks
-from lightning_ckpt.profiling.forward_passes import time_blocks as _time_blocks
-from lightning_ckpt.profiling.lifetimes import StorageLedger
-from lightning_ckpt.profiling.op_profile import OpProfileRecorder
-from lightning_ckpt.profiling.probe_counters import ProbeCounters
-from lightning_ckpt.profiling.probe_hooks import Probe
-from lightning_ckpt.profiling.recompute_probe import RecomputedSaves
-from lightning_ckpt.profiling.state import preserved_state
-from lightning_ckpt.profiling.tp_memory import grad_held_bytes, local_nbytes
-from lightning_ckpt.profiling.tp_work import comm_bytes
-from lightning_ckpt.profiling.written_state import WrittenStateWatch
-from lightning_ckpt.profiling.tracker import storage_key, unique_storage_bytes
+from lightning_ckpt.profiling.memory.backward_phases import backward_phases
+from lightning_ckpt.profiling.structure.batch import batch_size_of, tensors_in
+from lightning_ckpt.profiling.structure.block_calls import CallSites, distinct, hook_calls
+from lightning_ckpt.profiling.forward_state.forward_hazards import PythonStateWatch
+from lightning_ckpt.profiling.passes.forward_passes import nosave_forward_peaks as _nosave_forward_peaks
+from lightning_ckpt.profiling.passes.forward_passes import time_blocks as _time_blocks
+from lightning_ckpt.profiling.memory.lifetimes import StorageLedger
+from lightning_ckpt.profiling.work.op_profile import OpProfileRecorder
+from lightning_ckpt.profiling.passes.probe_counters import ProbeCounters
+from lightning_ckpt.profiling.passes.probe_hooks import Probe
+from lightning_ckpt.profiling.passes.recompute_probe import RecomputedSaves
+from lightning_ckpt.profiling.forward_state.state import preserved_state
+from lightning_ckpt.profiling.memory.tp_memory import grad_held_bytes, local_nbytes
+from lightning_ckpt.profiling.work.tp_work import comm_bytes
+from lightning_ckpt.profiling.forward_state.written_state import WrittenStateWatch
+from lightning_ckpt.profiling.memory.tracker import storage_key, unique_storage_bytes
 
 StepFn = Callable[[Any], torch.Tensor]
 

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt.profiling.batch import tensors_in
-from lightning_ckpt.profiling.tracker import LiveBytesTracker
+from lightning_ckpt.profiling.structure.batch import tensors_in
+from lightning_ckpt.profiling.memory.tracker import LiveBytesTracker
 
 __all__ = ["cuda_peak", "measure_peak", "measure_step_peak", "state_tensors"]
 

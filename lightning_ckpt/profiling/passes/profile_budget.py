@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from lightning_ckpt.costs.block_costs import StepCost
-from lightning_ckpt.profiling.batch import tensors_in
-from lightning_ckpt.profiling.tracker import LiveBytesOverLimit, unique_storage_bytes
+from lightning_ckpt.profiling.structure.batch import tensors_in
+from lightning_ckpt.profiling.memory.tracker import LiveBytesOverLimit, unique_storage_bytes
 from lightning_ckpt.units import format_bytes
 
 __all__ = [

@@ -13,11 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt.profiling.batch import batch_size_of, slice_batch
-from lightning_ckpt.profiling.call_sequence import CallSequence, record_calls
-from lightning_ckpt.profiling.profile_budget import AT_LIMIT, SliceRoom, batch_bytes, reached_bytes, released, why_stopped
-from lightning_ckpt.profiling.profile_refusal import ProfileRefused, Shortfall
-from lightning_ckpt.profiling.shapes import shape_of
+from lightning_ckpt.profiling.structure.batch import batch_size_of, slice_batch
+from lightning_ckpt.profiling.structure.call_sequence import CallSequence, record_calls
+from lightning_ckpt.profiling.passes.profile_budget import AT_LIMIT, SliceRoom, batch_bytes, reached_bytes, released, why_stopped
+from lightning_ckpt.profiling.passes.profile_refusal import ProfileRefused, Shortfall
+from lightning_ckpt.profiling.structure.shapes import shape_of
 from lightning_ckpt.units import format_bytes
 
 __all__ = ["ChainChoice", "discover_chain"]
@@ -183,7 +183,7 @@ def _outermost(seq: CallSequence, modules: set[nn.Module]) -> list[int]:
 def _entries(seq: CallSequence, live: list[int], lo: int, hi: int) -> list[int]:
     """Every grad-enabled outermost call of the modules with a live call in [lo, hi], leaving out the
     modules also called outside it: a chain holds all of a module's calls in the step (the k-th call
-    of a module is its k-th entry, `profiling.block_calls`)."""
+    of a module is its k-th entry, `profiling.structure.block_calls`)."""
     calls = seq.calls
     kept = {calls[i].module for i in live if lo <= i <= hi}
     while kept:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from lightning_ckpt.profiling.batch import batch_size_of, map_tensors, tensors_in
+from lightning_ckpt.profiling.structure.batch import batch_size_of, map_tensors, tensors_in
 
 Position = tuple[int, int]  # (tensor index in traversal order, dimension)
 

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_ckpt.profiling.collective_release import call_op
-from lightning_ckpt.profiling.op_bytes import WorkTally
-from lightning_ckpt.profiling.op_traits import OpTraits, traits_of
-from lightning_ckpt.profiling.tp_work import any_fake, dtensor_in, has_dtensor
-from lightning_ckpt.profiling.tracker import LiveBytesTracker, flat_tensors, storage_key
+from lightning_ckpt.profiling.memory.collective_release import call_op
+from lightning_ckpt.profiling.work.op_bytes import WorkTally
+from lightning_ckpt.profiling.work.op_traits import OpTraits, traits_of
+from lightning_ckpt.profiling.work.tp_work import any_fake, dtensor_in, has_dtensor
+from lightning_ckpt.profiling.memory.tracker import LiveBytesTracker, flat_tensors, storage_key
 
 __all__ = ["LocalWork", "ProbeCounters"]
 

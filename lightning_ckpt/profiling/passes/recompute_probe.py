@@ -29,7 +29,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode, _pop_mode_temporarily
 
-from lightning_ckpt.profiling.tracker import LiveBytesTracker, storage_bytes, storage_key
+from lightning_ckpt.profiling.memory.tracker import LiveBytesTracker, storage_bytes, storage_key
 
 __all__ = ["RecomputeMismatch", "RecomputedSaves", "SavedBox"]
 

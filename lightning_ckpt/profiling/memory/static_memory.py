@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_ckpt.profiling.tp_memory import grad_held_bytes, local_nbytes
-from lightning_ckpt.profiling.tracker import unique_storage_bytes
+from lightning_ckpt.profiling.memory.tp_memory import grad_held_bytes, local_nbytes
+from lightning_ckpt.profiling.memory.tracker import unique_storage_bytes
 
 
 @dataclass(frozen=True)

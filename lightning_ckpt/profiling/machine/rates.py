@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ckpt.costs.machine_rates import MachineRates
-from lightning_ckpt.profiling.measured_cache import kept, machine_key
-from lightning_ckpt.profiling.op_bytes import OpBytesCounter
+from lightning_ckpt.profiling.machine.measured_cache import kept, machine_key
+from lightning_ckpt.profiling.work.op_bytes import OpBytesCounter
 
 __all__ = ["TinyOpsBlock", "check_rates_dict", "count_op_calls", "interleaved_medians", "kept_rates", "measure_rates", "step_clock"]
 
@@ -260,7 +260,7 @@ def count_op_calls(fn: Callable[[], object]) -> int:
     """How many op calls `fn` makes that selective checkpointing numbers (`op_keys.OpCallCounter`)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from lightning_ckpt.profiling.op_keys import OpCallCounter
+    from lightning_ckpt.profiling.work.op_keys import OpCallCounter
 
     counter, seen = OpCallCounter(), [0]
 

@@ -17,20 +17,20 @@ from torch import nn
 from lightning_ckpt.costs.block_costs import StepCost
 from lightning_ckpt.costs.linear_fit import Profile, refit_without_smallest
 from lightning_ckpt.costs.machine_rates import MachineRates
-from lightning_ckpt.profiling.applied_marks import refuse_marked
-from lightning_ckpt.profiling.batch import batch_size_of, slice_batch
-from lightning_ckpt.profiling.forward_passes import time_blocks as _time_blocks
-from lightning_ckpt.profiling.gather import sharded_world_size
-from lightning_ckpt.profiling.profile_budget import NoRoom, ProfileBudget, SliceRoom, batch_bytes, check_within, optional_pass
-from lightning_ckpt.profiling.profile_budget import probe_within
-from lightning_ckpt.profiling.profile_budget import AT_LIMIT, SampleTooLong, predicted_pass_bytes, released, smaller_probes
-from lightning_ckpt.profiling.profile_budget import wants_checkpointed_first
-from lightning_ckpt.profiling.profile_refusal import ProfileRefused, Shortfall, longest_prefix
-from lightning_ckpt.profiling.profiler import StepFn, probe_step
-from lightning_ckpt.profiling.recompute_probe import RecomputeMismatch
-from lightning_ckpt.profiling.shapes import length_of, sequence_positions, shape_of, slice_length
-from lightning_ckpt.profiling.state import preserved_state
-from lightning_ckpt.profiling.tracker import unique_storage_bytes
+from lightning_ckpt.profiling.forward_state.applied_marks import refuse_marked
+from lightning_ckpt.profiling.structure.batch import batch_size_of, slice_batch
+from lightning_ckpt.profiling.passes.forward_passes import time_blocks as _time_blocks
+from lightning_ckpt.profiling.work.gather import sharded_world_size
+from lightning_ckpt.profiling.passes.profile_budget import NoRoom, ProfileBudget, SliceRoom, batch_bytes, check_within, optional_pass
+from lightning_ckpt.profiling.passes.profile_budget import probe_within
+from lightning_ckpt.profiling.passes.profile_budget import AT_LIMIT, SampleTooLong, predicted_pass_bytes, released, smaller_probes
+from lightning_ckpt.profiling.passes.profile_budget import wants_checkpointed_first
+from lightning_ckpt.profiling.passes.profile_refusal import ProfileRefused, Shortfall, longest_prefix
+from lightning_ckpt.profiling.passes.profiler import StepFn, probe_step
+from lightning_ckpt.profiling.passes.recompute_probe import RecomputeMismatch
+from lightning_ckpt.profiling.structure.shapes import length_of, sequence_positions, shape_of, slice_length
+from lightning_ckpt.profiling.forward_state.state import preserved_state
+from lightning_ckpt.profiling.memory.tracker import unique_storage_bytes
 from lightning_ckpt.units import format_bytes
 
 __all__ = ["BATCHNORM_ONE_SAMPLE", "measure_profile"]
@@ -130,7 +130,7 @@ def measure_profile(
     if timed and not fixed:  # check slices promoted by the refit were profiled untimed: timed now
         probes = tuple(p if p.batch_size in probe_batch_sizes else _timed(model, blocks, step_fn, batch, p) for p in probes)
     if rates is None and timing:
-        from lightning_ckpt.profiling.rates import kept_rates
+        from lightning_ckpt.profiling.machine.rates import kept_rates
 
         rates = kept_rates(**probes[-1].meta["work"], max_bytes=None if room is None else room.usable_bytes)
     if rates is not None:
@@ -245,7 +245,7 @@ def _one_sample_profile(
             "the same measurements, about what the `full` plan holds)."
         )
     if rates is None and timing:
-        from lightning_ckpt.profiling.rates import kept_rates
+        from lightning_ckpt.profiling.machine.rates import kept_rates
 
         rates = kept_rates(**probe.meta["work"], max_bytes=None if room is None else room.usable_bytes)
     if rates is not None:

@@ -13,11 +13,11 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import flop_registry, shape_wrapper
 
-from lightning_ckpt.profiling.collective_release import is_issued_collective
-from lightning_ckpt.profiling.op_bytes import is_random, write_kind
-from lightning_ckpt.profiling.op_keys import counted, op_name
-from lightning_ckpt.profiling.op_profile import written_args
-from lightning_ckpt.profiling.tp_work import is_collective
+from lightning_ckpt.profiling.memory.collective_release import is_issued_collective
+from lightning_ckpt.profiling.work.op_bytes import is_random, write_kind
+from lightning_ckpt.profiling.work.op_keys import counted, op_name
+from lightning_ckpt.profiling.work.op_profile import written_args
+from lightning_ckpt.profiling.work.tp_work import is_collective
 
 __all__ = ["QUERIES", "OpTraits", "traits_of"]
 

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt.profiling.block_calls import CallSites, hook_calls
-from lightning_ckpt.profiling.tracker import LiveBytesTracker
+from lightning_ckpt.profiling.structure.block_calls import CallSites, hook_calls
+from lightning_ckpt.profiling.memory.tracker import LiveBytesTracker
 
 __all__ = ["nosave_forward_peaks", "time_blocks"]
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_ckpt.profiling.static_memory import StaticMemory
-from lightning_ckpt.profiling.tracker import local_tensor, unique_storage_bytes
+from lightning_ckpt.profiling.memory.static_memory import StaticMemory
+from lightning_ckpt.profiling.memory.tracker import local_tensor, unique_storage_bytes
 
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, each shaped like this rank's (unpadded) local shard
 STEP_COUNTER_BYTES = 4  # torch's Adam keeps `step` as a float32 scalar tensor per parameter

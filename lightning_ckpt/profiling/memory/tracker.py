@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_ckpt.profiling.collective_release import call_op, is_issued_collective
-from lightning_ckpt.profiling.limit_check import bound_bytes, result_bytes
+from lightning_ckpt.profiling.memory.collective_release import call_op, is_issued_collective
+from lightning_ckpt.profiling.memory.limit_check import bound_bytes, result_bytes
 
 __all__ = [
     "LiveBytesOverLimit", "LiveBytesTracker", "StepBytesTracker", "flat_tensors", "local_tensor", "storage_bytes",
@@ -135,7 +135,7 @@ class LiveBytesTracker(TorchDispatchMode):
     want the whole picture. `device` limits counting to one device type. A `ledger`
     (`lifetimes.StorageLedger`) is told of every storage made, read and freed. With
     `limit_bytes` set, the op whose new storage takes `live_bytes` over it raises
-    `LiveBytesOverLimit` (`profiling.profile_budget` stops a profiling pass so). Storages passed
+    `LiveBytesOverLimit` (`profiling.passes.profile_budget` stops a profiling pass so). Storages passed
     to `ignore` are never counted (what an offloading strategy keeps in host memory, on a machine
     whose device is the CPU too).
     """

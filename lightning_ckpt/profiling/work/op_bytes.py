@@ -20,8 +20,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_ckpt.profiling.tp_work import collective_bytes, is_collective
-from lightning_ckpt.profiling.tracker import flat_tensors, storage_key
+from lightning_ckpt.profiling.work.tp_work import collective_bytes, is_collective
+from lightning_ckpt.profiling.memory.tracker import flat_tensors, storage_key
 
 __all__ = ["OpBytesCounter", "WorkTally", "is_random", "write_kind", "written_bytes"]
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt.profiling.layer_skipping import layers_always_run
+from lightning_ckpt.profiling.structure.layer_skipping import layers_always_run
 
 __all__ = ["BlocksNeverRan", "CallSites", "call_chain", "call_names", "hook_calls", "occurrences", "TooManyCalls"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lightning_ckpt.profiling.lifetimes import StorageLedger
+from lightning_ckpt.profiling.memory.lifetimes import StorageLedger
 
 __all__ = ["backward_phases"]
 

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt.profiling.batch import tensors_in
-from lightning_ckpt.profiling.blocks import plain_name
-from lightning_ckpt.profiling.state import preserved_state
-from lightning_ckpt.profiling.tracker import LiveBytesTracker, storage_bytes, storage_key
+from lightning_ckpt.profiling.structure.batch import tensors_in
+from lightning_ckpt.profiling.structure.blocks import plain_name
+from lightning_ckpt.profiling.forward_state.state import preserved_state
+from lightning_ckpt.profiling.memory.tracker import LiveBytesTracker, storage_bytes, storage_key
 
 __all__ = ["CallSequence", "ModuleCall", "record_calls"]
 

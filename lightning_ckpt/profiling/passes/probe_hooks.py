@@ -20,13 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt.profiling.batch import first_tensor, tensors_in
-from lightning_ckpt.profiling.chain_check import receives_output, tensor_version
-from lightning_ckpt.profiling.lifetimes import PRE, Marks, StorageLedger, block_region, carried_terms, gap_region, held_rise, is_local
-from lightning_ckpt.profiling.op_bytes import WorkTally
-from lightning_ckpt.profiling.op_profile import OpProfileRecorder
-from lightning_ckpt.profiling.recompute_probe import RecomputedSaves, SavedBox
-from lightning_ckpt.profiling.tracker import LiveBytesTracker, storage_bytes, storage_key
+from lightning_ckpt.profiling.structure.batch import first_tensor, tensors_in
+from lightning_ckpt.profiling.structure.chain_check import receives_output, tensor_version
+from lightning_ckpt.profiling.memory.lifetimes import PRE, Marks, StorageLedger, block_region, carried_terms, gap_region, held_rise, is_local
+from lightning_ckpt.profiling.work.op_bytes import WorkTally
+from lightning_ckpt.profiling.work.op_profile import OpProfileRecorder
+from lightning_ckpt.profiling.passes.recompute_probe import RecomputedSaves, SavedBox
+from lightning_ckpt.profiling.memory.tracker import LiveBytesTracker, storage_bytes, storage_key
 
 __all__ = ["Probe"]
 

@@ -1,0 +1,1 @@
+"""The machine: its measured rates and the timings kept between runs."""
