@@ -71,7 +71,7 @@ def test_budget_nothing_fits_is_one_error_line_and_exit_code_2(tmp_path, capsys,
     assert main(["plan", "--config", _tiny_config(tmp_path, memory_budget="2KiB")]) == 2  # returned, not raised
     [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert "not even batch size 1 fits: the model's state takes" in line
-    assert line.endswith("Lower target_batch_size or raise memory_budget.")
+    assert line.endswith("Shard or offload the state (ZeRO, FSDP2, ZeRO-Offload) or raise memory_budget.")  # before any pass
 
 
 def test_bad_argument_in_the_config_is_one_error_line(tmp_path, capsys, monkeypatch):

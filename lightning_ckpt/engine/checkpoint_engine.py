@@ -29,7 +29,7 @@ from lightning_ckpt.engine.measured_steps import MeasuredStep, Reserves, judge_s
 from lightning_ckpt.engine.model_prep import Prepared, prepare_model
 from lightning_ckpt.engine.planned_costs import PlannedCosts
 from lightning_ckpt.engine.target_plan import (batch_error, check_host_memory, fits_target, plan_for_max_at, plan_for_target,
-                                               with_offloaded)
+                                               refuse_state_over_budget, with_offloaded)
 from lightning_ckpt.costs.block_costs import StepCost
 from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.costs.machine_rates import MachineRates
@@ -386,6 +386,7 @@ class CheckpointEngine:
         """Profiling's room (`profiling.passes.profile_budget`): the budget less the static memory (optimizer state
         once it exists) and, beside a prefix of the step's batch, that batch."""
         self._static = self._static or self.driver.static_memory()
+        refuse_state_over_budget(self._static, self.settings.budget_bytes, f"the training batch of shape ({shape_of(batch).describe()})")
         self._held_batch_bytes = batch_bytes(batch) if own else self._held_batch_bytes
         state = getattr(self.driver, "optimizer_state_exists", lambda: True)()  # none before the first step
         held = (0 if own else self._held_batch_bytes) - (0 if state else self._static.optimizer_state_bytes)

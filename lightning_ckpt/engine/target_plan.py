@@ -94,23 +94,41 @@ def plan_for_target(profile: Profile, static: StaticMemory, request: PlanRequest
     if largest:
         hint = f"the largest batch that fits with policy={request.policy!r} is {largest}"
     else:
-        parts = [("parameters", static.param_bytes), ("buffers", static.buffer_bytes),
-                 ("gradients", static.grad_bytes), ("optimizer state", static.optimizer_state_bytes),
-                 ("the strategy's buffers", static.comm_buffer_bytes)]
-        static_bytes = sum(nbytes for _, nbytes in parts)
-        each = ", ".join(f"{what} {format_bytes(nbytes)}" for what, nbytes in parts if nbytes)
-        left = request.budget_bytes - static_bytes
-        hint = (
-            f"not even batch size 1 fits: the model's state takes {format_bytes(static_bytes)} "
-            f"of the {format_bytes(request.budget_bytes)} budget" + (f" ({each})" if each else "") + ", "
-            + (f"{format_bytes(-left)} over it before any activation" if left < 0
-               else f"which leaves {format_bytes(left)} for the activations of one sample")
-        )
+        hint = f"not even batch size 1 fits: {state_in_budget(static, request.budget_bytes)[1]}"
     raise InfeasibleBudgetError(
         f"target_batch_size={target} with policy={request.policy!r}{levels} {got}, over the memory_budget of "
         f"{format_bytes(request.budget_bytes)} even at the plan's best; {hint}. "
         "Lower target_batch_size or raise memory_budget."
     )
+
+
+def state_in_budget(static: StaticMemory, budget_bytes: int) -> tuple[int, str]:
+    """(what the budget leaves beside the model's state, below zero when over it; that in words, term by term)."""
+    parts = [("parameters", static.param_bytes), ("buffers", static.buffer_bytes),
+             ("gradients", static.grad_bytes), ("optimizer state", static.optimizer_state_bytes),
+             ("the strategy's buffers", static.comm_buffer_bytes)]
+    static_bytes = sum(nbytes for _, nbytes in parts)
+    each = ", ".join(f"{what} {format_bytes(nbytes)}" for what, nbytes in parts if nbytes)
+    left = budget_bytes - static_bytes
+    said = (
+        f"the model's state takes {format_bytes(static_bytes)} of the {format_bytes(budget_bytes)} budget"
+        + (f" ({each})" if each else "") + ", "
+        + (f"{format_bytes(-left)} over it before any activation" if left < 0
+           else f"which leaves {format_bytes(left)} for the activations of one sample")
+    )
+    return left, said
+
+
+def refuse_state_over_budget(static: StaticMemory, budget_bytes: int | None, what: str) -> None:
+    """InfeasibleBudgetError, before any pass, when the model's state alone is over the budget (`what`: the batch)."""
+    if budget_bytes is None:
+        return
+    left, said = state_in_budget(static, budget_bytes)
+    if left < 0:
+        raise InfeasibleBudgetError(
+            f"{what}: no plan fits memory_budget={format_bytes(budget_bytes)}, not even batch size 1 fits: {said}. "
+            "Shard or offload the state (ZeRO, FSDP2, ZeRO-Offload) or raise memory_budget."
+        )
 
 
 def plan_for_max(profile: Profile, static: StaticMemory, request: PlanRequest, multiple: int) -> tuple[Plan, StepCost]:
