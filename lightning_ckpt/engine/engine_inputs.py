@@ -16,10 +16,11 @@ from lightning_ckpt.apply.segments import AppliedPlan
 from lightning_ckpt.costs.block_costs import StepCost
 from lightning_ckpt.costs.linear_fit import Profile
 from lightning_ckpt.costs.machine_rates import MachineRates
-from lightning_ckpt.engine.target_plan import PlanRequest
+from lightning_ckpt.engine.target_plan import PlanRequest, refuse_state_over_budget
 from lightning_ckpt.planning.plan import Plan
 from lightning_ckpt.profiling.passes.profile_budget import ProfileBudget, SliceRoom
 from lightning_ckpt.profiling.memory.static_memory import StaticMemory
+from lightning_ckpt.profiling.structure.shapes import shape_of
 
 
 @dataclass(frozen=True)
@@ -86,10 +87,11 @@ class StepDriver(Protocol):
 def reading_room(driver: StepDriver, budget_bytes: int | None, model: torch.nn.Module, batch: Any) -> SliceRoom | None:
     """The room the forward that reads which blocks there are (`profiling.structure.discovery`) may hold beside `batch`:
     profiling's (the budget less the static memory, the optimizer state once it exists, the gradients alive
-    and the batch); None without a budget."""
+    and the batch); None without a budget. A model whose state alone is over the budget is refused here."""
     if budget_bytes is None:
         return None
     static = driver.static_memory()
+    refuse_state_over_budget(static, budget_bytes, f"the training batch of shape ({shape_of(batch).describe()})")
     state = getattr(driver, "optimizer_state_exists", lambda: True)()  # none before the first step
     resident = static.resident_bytes - (0 if state else static.optimizer_state_bytes)
     return ProfileBudget(budget_bytes, resident).room_for(model, batch)
