@@ -76,41 +76,35 @@ def tiny_llava() -> Built:
     return model, lambda b: model(input_ids=b[0], pixel_values=b[1], labels=b[0]).loss, batch
 
 
-def tiny_unet_conditional() -> Built:
+def _unet_conditional(px: int, channels: tuple[int, int], layers: int, width: int, groups: int, tokens: int) -> Built:
+    """diffusers' conditional U-Net at `px` pixels: `channels` per level, `layers` per block, cross-attention over
+    `tokens` states `width` wide."""
     import diffusers
 
     torch.manual_seed(0)
     model = diffusers.UNet2DConditionModel(
-        sample_size=8, in_channels=4, out_channels=4, block_out_channels=(16, 32), layers_per_block=1,
+        sample_size=px, in_channels=4, out_channels=4, block_out_channels=channels, layers_per_block=layers,
         down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=16, attention_head_dim=8, norm_num_groups=8,
+        cross_attention_dim=width, attention_head_dim=8, norm_num_groups=groups,
     ).train()
 
     def batch(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(seed)
-        return torch.randn(n, 4, 8, 8, generator=g), torch.randint(0, 1000, (n,), generator=g), torch.randn(n, 5, 16, generator=g)
+        return (torch.randn(n, 4, px, px, generator=g), torch.randint(0, 1000, (n,), generator=g),
+                torch.randn(n, tokens, width, generator=g))
 
     return model, lambda b: model(b[0], b[1], encoder_hidden_states=b[2]).sample.square().mean(), batch
+
+
+def tiny_unet_conditional() -> Built:
+    return _unet_conditional(8, (16, 32), 1, 16, 8, 5)
 
 
 def small_unet_conditional() -> Built:
     """diffusers' own test configuration of the conditional U-Net (32 px, channels 32/64, two layers per block,
     cross-attention over 32-wide states): each attention's `proj_out` runs on a copy while the module's local
     still holds the transformer block's output."""
-    import diffusers
-
-    torch.manual_seed(0)
-    model = diffusers.UNet2DConditionModel(
-        sample_size=32, in_channels=4, out_channels=4, block_out_channels=(32, 64), layers_per_block=2,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=32,
-    ).train()
-
-    def batch(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(seed)
-        return torch.randn(n, 4, 32, 32, generator=g), torch.randint(0, 1000, (n,), generator=g), torch.randn(n, 7, 32, generator=g)
-
-    return model, lambda b: model(b[0], b[1], encoder_hidden_states=b[2]).sample.square().mean(), batch
+    return _unet_conditional(32, (32, 64), 2, 32, 32, 7)
 
 
 def tiny_reformer() -> Built:

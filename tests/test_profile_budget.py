@@ -15,7 +15,6 @@ import contextlib
 import functools
 import gc
 import re
-import warnings
 import weakref
 
 import pytest
